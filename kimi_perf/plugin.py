@@ -1,0 +1,406 @@
+"""The kimi-perf pytest plugin: options, markers, session state, result transport, gate, summary.
+
+Loaded by the repository's ``conftest.py`` (``pytest_plugins``). Design follows pytest-benchmark and
+pytest-xdist:
+
+- one option group ``kimi-perf``; every flag is ``--perf-*`` and falls back to an ini value under
+  ``[tool.pytest.ini_options]`` (so a runner's defaults live in ``pyproject.toml``);
+- one :class:`PerfSession` in ``config.stash``; misconfiguration (unknown profile or engine, malformed
+  profile or baseline file) is a ``pytest.UsageError`` raised at configure time, before anything runs;
+- tests record results through the ``perf_gate`` fixture, which gates in the test (a regression is
+  an assertion failure of that test) and attaches the JSON record to ``report.user_properties``; the
+  summary table, run file and baseline update are built from the reports in
+  ``pytest_runtest_logreport``, which runs on the xdist controller, so the same path works with and
+  without ``-n``.
+
+Nothing here imports torch or an engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .baselines import BaselineEntry, BaselineError, BaselineKey, BaselineStore, MetricSamples
+from .machine import commit_info, gpu_info, hardware_key, machine_info
+from .metrics import METRICS, get_metric
+from .profiles import Profile, ProfileError, find_profile, load_profile
+from .stats import GateDecision, gate
+
+PROP = "kimi_perf"
+MARKERS = {
+    "perf": "performance measurement gated against stored baselines (starts engines)",
+    "alignment": "hidden-state agreement between an extraction path and an inference path",
+    "eagle": "EAGLE-3 drafter acceptance and speedup",
+    "gpu": "needs a CUDA GPU (skipped with a reason when none is visible)",
+}
+
+
+class PerfWarning(UserWarning):
+    """A metric moved beyond tolerance without statistical support (verdict WARN)."""
+
+
+class PerfRegression(AssertionError):
+    """A gated metric regressed (verdict FAIL)."""
+
+
+@dataclass
+class PerfSession:
+    config: pytest.Config
+    profile: Profile
+    store: BaselineStore
+    report_dir: Path
+    repeats: int
+    update: bool
+    engines: tuple[str, ...]
+    hardware: str
+    rootdir: Path
+    json_path: Path | None
+    server_timeout_s: float
+    model_override: str | None
+    drafter_path: str | None
+    engine_pythons: dict[str, str]
+    results: list[dict[str, Any]] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+    gpus: list[dict[str, str]] = field(default_factory=list)
+
+    def gate_config(self, metric: str):  # type: ignore[no-untyped-def]
+        return self.profile.gate.for_metric(metric)
+
+    @property
+    def is_worker(self) -> bool:
+        return hasattr(self.config, "workerinput")
+
+
+SESSION_KEY = pytest.StashKey[PerfSession]()
+
+
+def get_session(config: pytest.Config) -> PerfSession:
+    try:
+        return config.stash[SESSION_KEY]
+    except KeyError:
+        raise pytest.UsageError("the kimi-perf plugin is not configured (is kimi_perf.plugin in pytest_plugins?)") from None
+
+
+# -- options --------------------------------------------------------------------------------------
+
+_INI: list[tuple[str, str, str]] = [
+    ("perf_profile", "profile name (profiles/<name>.json) or path", "embedded-cpu"),
+    ("perf_engine", "engine name(s) of the profile, comma-separated, 'default' or 'all'", "default"),
+    ("perf_repeats", "measured repeats per point; 0 = the profile's value", "0"),
+    ("perf_report_dir", "directory for the summary, run file, plots and server logs", "perf-report"),
+    ("perf_baseline_dir", "directory of baselines/<profile>.json", "baselines"),
+    ("perf_server_timeout", "seconds a server may take to become ready", "600"),
+]
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    from . import hookspecs
+
+    pluginmanager.add_hookspecs(hookspecs)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    g = parser.getgroup("kimi-perf", "kimi-perf: LLM serving performance gates")
+    g.addoption("--perf-profile", default=None, metavar="NAME",
+                help="profile to run: a name under profiles/ or a JSON path (ini: perf_profile; default embedded-cpu)")
+    g.addoption("--perf-engine", default=None, metavar="NAMES",
+                help="engines of the profile to measure, comma-separated, or 'all' (ini: perf_engine; default: the "
+                     "profile's default_engines)")
+    g.addoption("--perf-model", default=None, metavar="PATH",
+                help="serve this model directory instead of the profile's model")
+    g.addoption("--perf-repeats", default=None, type=int, metavar="N",
+                help="measured repeats per point; the gate compares medians and runs a Mann-Whitney test over them "
+                     "(ini: perf_repeats; default: the profile's repeats)")
+    g.addoption("--perf-update-baselines", action="store_true", default=False,
+                help="record this run's samples as the new baselines (atomic rewrite of baselines/<profile>.json); "
+                     "nothing fails on regression")
+    g.addoption("--perf-json", default=None, metavar="PATH",
+                help="also write the run file (results, machine, commit) to PATH")
+    g.addoption("--perf-report-dir", default=None, metavar="DIR",
+                help="where the summary (markdown), run file, PNG plots and server logs go (ini: perf_report_dir)")
+    g.addoption("--perf-baseline-dir", default=None, metavar="DIR",
+                help="directory holding <profile>.json baselines (ini: perf_baseline_dir; default baselines/)")
+    g.addoption("--perf-server-timeout", default=None, type=float, metavar="SECONDS",
+                help="how long a server may take to become ready (ini: perf_server_timeout; default 600)")
+    g.addoption("--perf-drafter", default=None, metavar="PATH",
+                help="use this EAGLE-3 drafter checkpoint instead of training one")
+    g.addoption("--perf-vllm-python", default=None, metavar="PATH",
+                help="python interpreter of the environment that has vLLM (env KIMI_PERF_VLLM_PYTHON)")
+    g.addoption("--perf-sglang-python", default=None, metavar="PATH",
+                help="python interpreter of the environment that has SGLang (env KIMI_PERF_SGLANG_PYTHON)")
+    for name, help_, default in _INI:
+        parser.addini(name, help_, default=default)
+
+
+def _opt(config: pytest.Config, name: str) -> Any:
+    v = config.getoption("--" + name.replace("_", "-"))
+    return v if v is not None else config.getini(name)
+
+
+# -- configure ------------------------------------------------------------------------------------
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, desc in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {desc}")
+    rootdir = Path(str(config.rootpath))
+    try:
+        prof_path = find_profile(str(_opt(config, "perf_profile")), [rootdir / "profiles", Path.cwd() / "profiles"])
+        profile = load_profile(prof_path)
+    except ProfileError as e:
+        raise pytest.UsageError(f"{e}") from None
+    engines_opt = str(_opt(config, "perf_engine")).strip()
+    if engines_opt in ("", "default"):
+        engines = profile.default_engines
+    elif engines_opt == "all":
+        engines = tuple(profile.engines)
+    else:
+        engines = tuple(e.strip() for e in engines_opt.split(",") if e.strip())
+        unknown = [e for e in engines if e not in profile.engines]
+        if unknown:
+            raise pytest.UsageError(f"--perf-engine {engines_opt}: profile {profile.name} ({profile.path}) has no engine "
+                                    f"{', '.join(unknown)}; its engines: {', '.join(profile.engines)}")
+    try:
+        repeats = int(_opt(config, "perf_repeats"))
+        timeout = float(_opt(config, "perf_server_timeout"))
+    except ValueError as e:
+        raise pytest.UsageError(f"kimi-perf: bad number in perf_repeats/perf_server_timeout: {e}") from None
+    if repeats < 0:
+        raise pytest.UsageError("--perf-repeats must be >= 0 (0 = the profile's repeats)")
+    baseline_dir = Path(str(_opt(config, "perf_baseline_dir")))
+    if not baseline_dir.is_absolute():
+        baseline_dir = rootdir / baseline_dir
+    try:
+        store = BaselineStore(baseline_dir / f"{profile.name}.json", profile.name)
+    except BaselineError as e:
+        raise pytest.UsageError(str(e)) from None
+    report_dir = Path(str(_opt(config, "perf_report_dir")))
+    if not report_dir.is_absolute():
+        report_dir = rootdir / report_dir
+    gpus = gpu_info()
+    json_opt = config.getoption("--perf-json")
+    pythons = {
+        "vllm": config.getoption("--perf-vllm-python") or os.environ.get("KIMI_PERF_VLLM_PYTHON", ""),
+        "sglang": config.getoption("--perf-sglang-python") or os.environ.get("KIMI_PERF_SGLANG_PYTHON", ""),
+    }
+    config.stash[SESSION_KEY] = PerfSession(
+        config=config, profile=profile, store=store, report_dir=report_dir,
+        repeats=repeats or profile.repeats, update=bool(config.getoption("--perf-update-baselines")),
+        engines=engines, hardware=hardware_key(gpus, use_gpu=profile.hardware == "cuda"), rootdir=rootdir,
+        json_path=Path(json_opt) if json_opt else None, server_timeout_s=timeout,
+        model_override=config.getoption("--perf-model"), drafter_path=config.getoption("--perf-drafter"),
+        engine_pythons={k: v for k, v in pythons.items() if v}, gpus=gpus,
+    )
+    if not hasattr(config, "workerinput"):
+        config.pluginmanager.register(PerfCollector(config.stash[SESSION_KEY]), "kimi-perf-collector")
+    _install_progress_sink(config)
+
+
+def _install_progress_sink(config: pytest.Config) -> None:
+    from . import progress
+
+    capman = config.pluginmanager.getplugin("capturemanager")
+    tw = config.get_terminal_writer()
+
+    def sink(line: str) -> None:
+        if capman is None:
+            tw.line(line)
+            return
+        with capman.global_and_fixture_disabled():
+            tw.line(line)
+
+    progress.set_sink(sink)
+    config.add_cleanup(lambda: progress.set_sink(None))
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    s = config.stash.get(SESSION_KEY, None)
+    if s is None:
+        return []
+    base = f"{len(s.store.entries)} entries" if s.store.path.exists() else "none yet"
+    return [f"kimi-perf: profile {s.profile.name} ({s.profile.hardware}), engines {','.join(s.engines)}, "
+            f"repeats {s.repeats}, hardware {s.hardware}, baselines {s.store.path.name} ({base})"
+            + (", UPDATING baselines" if s.update else "")]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    s = metafunc.config.stash.get(SESSION_KEY, None)
+    if s is None:
+        return
+    if "perf_engine_name" in metafunc.fixturenames:
+        kinds = getattr(metafunc.function, "perf_engine_kinds", None)
+        names = [e for e in s.engines if kinds is None or s.profile.engines[e]["kind"] in kinds]
+        metafunc.parametrize("perf_engine_name", names, ids=names, scope="session")
+    if "perf_concurrency" in metafunc.fixturenames:
+        conc = s.profile.throughput.concurrency if s.profile.throughput else (1,)
+        metafunc.parametrize("perf_concurrency", list(conc), ids=[f"c{c}" for c in conc])
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    s = config.stash.get(SESSION_KEY, None)
+    if s is None:
+        return
+    need = s.profile.min_gpus if s.profile.hardware == "cuda" else 0
+    for item in items:
+        if item.get_closest_marker("gpu") is not None and not s.gpus:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; nvidia-smi lists none on this machine"))
+        elif item.get_closest_marker("perf") is not None and len(s.gpus) < need:
+            item.add_marker(pytest.mark.skip(
+                reason=f"profile {s.profile.name} needs {need} CUDA GPU(s) ({s.profile.description.split('.')[0]}); "
+                       f"this machine has {len(s.gpus)}"))
+
+
+# -- recording and gating -------------------------------------------------------------------------
+
+
+def _finite(v: float) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+class PerfGate:
+    """Per-test recorder: ``perf_gate.check(...)`` gates metrics against the stored baseline."""
+
+    def __init__(self, session: PerfSession, node: pytest.Item) -> None:
+        self.session = session
+        self.node = node
+        self.decisions: list[GateDecision] = []
+
+    def key(self, *, scenario: str, engine: str, model: str, workload: str, concurrency: int) -> BaselineKey:
+        return BaselineKey(scenario=scenario, engine=engine, model=model, hardware=self.session.hardware,
+                           workload=workload, concurrency=concurrency)
+
+    def check(
+        self,
+        *,
+        scenario: str,
+        engine: str,
+        model: str,
+        workload: str,
+        concurrency: int,
+        samples: Mapping[str, Sequence[float]],
+        gated: Sequence[str],
+        engine_version: str | None = None,
+        extra: Mapping[str, Any] | None = None,
+        fail: bool = True,
+    ) -> list[GateDecision]:
+        s = self.session
+        for m in [*samples, *gated]:
+            get_metric(m)  # unknown metric name: a KeyError that lists the known ones
+        missing = [m for m in gated if m not in samples]
+        if missing:
+            raise ValueError(f"gated metric(s) {missing} were not measured")
+        key = self.key(scenario=scenario, engine=engine, model=model, workload=workload, concurrency=concurrency)
+        entry = s.store.get(key)
+        decisions = []
+        for m in gated:
+            base = entry.metrics[m].samples if entry is not None and m in entry.metrics else None
+            d = gate(METRICS[m], base, samples[m], s.gate_config(m))
+            if s.update:
+                d = GateDecision(**{**asdict(d), "verdict": "UPDATED",
+                                    "reason": f"recorded as baseline (was: {d.verdict}, {d.reason})"})
+            decisions.append(d)
+        self.decisions += decisions
+        record = {
+            "nodeid": self.node.nodeid, "key": key.as_dict(), "engine_version": engine_version,
+            "baseline_engine_version": entry.engine_version if entry else None,
+            "samples": {m: [float(v) for v in vals if _finite(v)] for m, vals in samples.items()},
+            "decisions": [asdict(d) for d in decisions], "extra": dict(extra or {}), "time": time.time(),
+        }
+        self.node.user_properties.append((PROP, json.dumps(record, default=str)))
+        fails = [d for d in decisions if d.verdict == "FAIL"]
+        for d in decisions:
+            if d.verdict == "WARN":
+                warnings.warn(PerfWarning(f"[{engine} c={concurrency}] {d.message()}"), stacklevel=2)
+        if fails and fail:
+            ver = ""
+            if entry is not None and entry.engine_version and engine_version and entry.engine_version != engine_version:
+                ver = f" (engine version changed: baseline {entry.engine_version}, current {engine_version})"
+            raise PerfRegression(
+                f"performance regression in {scenario} [{engine}, c={concurrency}, {workload}]{ver}:\n  "
+                + "\n  ".join(d.message() for d in fails))
+        return decisions
+
+
+@pytest.fixture
+def perf_gate(request: pytest.FixtureRequest) -> PerfGate:
+    """Gate measured samples against ``baselines/<profile>.json`` (see :meth:`PerfGate.check`)."""
+    return PerfGate(get_session(request.config), request.node)
+
+
+@pytest.fixture(scope="session")
+def perf_session(pytestconfig: pytest.Config) -> PerfSession:
+    return get_session(pytestconfig)
+
+
+class PerfCollector:
+    """Registered on the controlling process only: turns reports into the summary, run file and
+    baseline update. (On an xdist worker ``report.user_properties`` travel to the controller.)"""
+
+    def __init__(self, session: PerfSession) -> None:
+        self.s = session
+        self.updated: tuple[Path, int] | None = None
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when != "call":
+            return
+        cfg = self.s.config
+        for name, value in report.user_properties:
+            if name == PROP:
+                rec = json.loads(value) if isinstance(value, str) else value
+                rec["outcome"] = report.outcome
+                self.s.results.append(rec)
+                cfg.hook.pytest_perf_result(config=cfg, result=rec)
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        s = self.s
+        if not s.results:
+            return
+        from .report import write_reports
+
+        minfo = machine_info(with_torch=False)
+        session.config.hook.pytest_perf_update_machine_info(config=session.config, machine_info=minfo)
+        commit = commit_info(s.rootdir)
+        write_reports(s, minfo, commit)
+        if not s.update:
+            return
+        entries = []
+        for rec in s.results:
+            if rec.get("outcome") not in ("passed", "failed"):
+                continue
+            entries.append(BaselineEntry(
+                key=BaselineKey(**rec["key"]),
+                metrics={m: MetricSamples(METRICS[m].unit, METRICS[m].direction, tuple(v))
+                         for m, v in rec["samples"].items() if v},
+                engine_version=rec.get("engine_version"),
+                recorded_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(rec.get("time", time.time()))),
+                commit=commit.get("id"), source=f"measured by {rec['nodeid']}",
+                machine={"cpu": minfo.get("cpu"), "cpu_count": minfo.get("cpu_count"),
+                         "gpus": [g["name"] for g in minfo.get("gpus", [])]},
+                extra=rec.get("extra") or {},
+            ))
+        if entries:
+            self.updated = (s.store.write(entries), len(entries))
+
+    def pytest_terminal_summary(self, terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+        s = self.s
+        if not s.results:
+            return
+        from .report import summary_rows, text_table
+
+        tr = terminalreporter
+        tr.write_sep("=", f"kimi-perf summary: profile {s.profile.name}, hardware {s.hardware}, repeats {s.repeats}")
+        for line in text_table(summary_rows(s.results)).splitlines():
+            tr.write_line(line)
+        tr.write_line(f"report: {s.report_dir / 'summary.md'}  run file: {s.report_dir / 'run.json'}")
+        if self.updated:
+            tr.write_line(f"baselines updated: {self.updated[0]} ({self.updated[1]} entries)")

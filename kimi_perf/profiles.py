@@ -1,0 +1,222 @@
+"""Profiles: what to measure where, as data files (``profiles/<name>.json``).
+
+Why data and not code: a profile names a deployment (model, hardware, engines with their exact flags
+and env, workloads, repeats, gate tolerances). Teams add one per cluster by copying a file, and the
+suite never executes anything from it -- values are parsed into frozen dataclasses and validated, and
+a mistake is a :class:`ProfileError` naming the file, the key and the fix (``pytest.UsageError`` at
+the plugin level).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .load.workload import Workload
+from .metrics import METRICS
+from .stats import GateConfig
+
+__all__ = ["GateSpec", "ModelSpec", "Profile", "ProfileError", "ThroughputSpec", "find_profile", "load_profile"]
+
+DUMMY_SHAPES: dict[str, dict[str, Any]] = {
+    # Llama-3.1-8B's published shape; weights are random (--load-format dummy), the tokenizer is the
+    # embedded model's (random-id workloads only need a vocabulary).
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072, "tie_word_embeddings": False, "hidden_act": "silu",
+        "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+        "bos_token_id": 1, "eos_token_id": 2,
+    },
+}
+
+
+class ProfileError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    source: str  # "embedded" | "path" | "dummy"
+    name: str
+    path: str | None = None
+    dummy_shape: str | None = None
+
+
+@dataclass(frozen=True)
+class ThroughputSpec:
+    workload: Workload
+    concurrency: tuple[int, ...]
+    prompts_per_concurrency: int
+    single_stream: Workload
+    gated_single: tuple[str, ...]
+    gated_sweep: tuple[str, ...]
+
+    def sweep_workload(self, c: int) -> Workload:
+        return self.workload.with_concurrency(c, num_prompts=max(self.workload.num_prompts, self.prompts_per_concurrency * c))
+
+
+@dataclass(frozen=True)
+class GateSpec:
+    default: GateConfig
+    floors: Mapping[str, float] = field(default_factory=dict)
+
+    def for_metric(self, name: str) -> GateConfig:
+        if name in self.floors:
+            return GateConfig(floor=self.floors[name], noise_mult=self.default.noise_mult, alpha=self.default.alpha)
+        return self.default
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    path: Path
+    description: str
+    hardware: str  # "cpu" | "cuda"
+    min_gpus: int
+    model: ModelSpec
+    engines: Mapping[str, Mapping[str, Any]]
+    default_engines: tuple[str, ...]
+    repeats: int
+    throughput: ThroughputSpec | None
+    gate: GateSpec
+    eagle3: Mapping[str, Any] = field(default_factory=dict)
+    alignment: Mapping[str, Any] = field(default_factory=dict)
+    nccl: Mapping[str, Any] = field(default_factory=dict)
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+
+_TOP = {"name", "description", "hardware", "min_gpus", "model", "engines", "default_engines", "repeats",
+        "throughput", "gate", "eagle3", "alignment", "nccl", "sources"}
+
+
+def _e(path: Path, key: str, problem: str, fix: str) -> ProfileError:
+    return ProfileError(f"profile {path}: {key}: {problem}. Fix: {fix}")
+
+
+def _workload(path: Path, key: str, raw: Any, name: str) -> Workload:
+    if not isinstance(raw, dict):
+        raise _e(path, key, "must be an object of workload fields", "see kimi_perf.load.workload.Workload")
+    try:
+        return Workload.from_dict({"name": name, **raw})
+    except (TypeError, ValueError) as ex:
+        raise _e(path, key, str(ex), "see kimi_perf.load.workload.Workload for the fields") from None
+
+
+def _metrics_list(path: Path, key: str, raw: Any) -> tuple[str, ...]:
+    if not isinstance(raw, list) or not all(isinstance(m, str) for m in raw):
+        raise _e(path, key, "must be a list of metric names", "e.g. [\"output_throughput\"]")
+    for m in raw:
+        if m not in METRICS:
+            raise _e(path, key, f"unknown metric {m!r}", f"use one of: {', '.join(sorted(METRICS))}")
+    return tuple(raw)
+
+
+def load_profile(path: Path) -> Profile:
+    try:
+        raw = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ProfileError(f"profile file {path} does not exist") from None
+    except json.JSONDecodeError as ex:
+        raise ProfileError(f"profile {path}: not valid JSON (line {ex.lineno} col {ex.colno}: {ex.msg})") from None
+    if not isinstance(raw, dict):
+        raise _e(path, "top level", "must be a JSON object", "see profiles/embedded-cpu.json")
+    unknown = set(raw) - _TOP
+    if unknown:
+        raise _e(path, "top level", f"unknown key(s) {sorted(unknown)}", f"allowed keys: {sorted(_TOP)}")
+    name = raw.get("name")
+    if name != Path(path).stem:
+        raise _e(path, "name", f"is {name!r} but the file is {Path(path).name}", f'set "name": "{Path(path).stem}"')
+    hw = raw.get("hardware", "cpu")
+    if hw not in ("cpu", "cuda"):
+        raise _e(path, "hardware", f"{hw!r}", 'use "cpu" or "cuda"')
+    min_gpus = raw.get("min_gpus", 0 if hw == "cpu" else 1)
+    if not isinstance(min_gpus, int) or min_gpus < 0:
+        raise _e(path, "min_gpus", f"{min_gpus!r}", "a non-negative integer")
+    m = raw.get("model")
+    if not isinstance(m, dict) or m.get("source") not in ("embedded", "path", "dummy"):
+        raise _e(path, "model.source", f"{(m or {}).get('source')!r}", 'use "embedded", "path" (with "path") or "dummy" (with "shape")')
+    if m["source"] == "path" and not isinstance(m.get("path"), str):
+        raise _e(path, "model.path", "missing", "give the checkpoint directory, or override with --perf-model")
+    if m["source"] == "dummy" and m.get("shape") not in DUMMY_SHAPES:
+        raise _e(path, "model.shape", f"{m.get('shape')!r}", f"one of {sorted(DUMMY_SHAPES)}")
+    model = ModelSpec(source=m["source"], name=str(m.get("name") or m.get("shape") or "model"),
+                      path=m.get("path"), dummy_shape=m.get("shape"))
+    engines = raw.get("engines")
+    if not isinstance(engines, dict) or not engines:
+        raise _e(path, "engines", "missing or empty", 'map engine name -> {"kind": "reference"|"vllm"|"sglang", ...}')
+    for en, ec in engines.items():
+        if not isinstance(ec, dict) or ec.get("kind") not in ("reference", "vllm", "sglang"):
+            raise _e(path, f"engines.{en}.kind", f"{(ec or {}).get('kind')!r}", 'use "reference", "vllm" or "sglang"')
+    default = raw.get("default_engines", [next(iter(engines))])
+    if not isinstance(default, list) or not all(d in engines for d in default):
+        raise _e(path, "default_engines", f"{default!r} names an engine not under 'engines'", f"choose from {sorted(engines)}")
+    repeats = raw.get("repeats", 3)
+    if not isinstance(repeats, int) or repeats < 1:
+        raise _e(path, "repeats", f"{repeats!r}", "an integer >= 1 (3 on CPU, 5 on GPU)")
+    tp = None
+    if "throughput" in raw:
+        t = raw["throughput"]
+        if not isinstance(t, dict):
+            raise _e(path, "throughput", "must be an object", "see profiles/embedded-cpu.json")
+        bad = set(t) - {"workload", "concurrency", "prompts_per_concurrency", "single_stream", "gated_single", "gated_sweep"}
+        if bad:
+            raise _e(path, "throughput", f"unknown key(s) {sorted(bad)}", "see profiles/embedded-cpu.json")
+        conc = t.get("concurrency", [1])
+        if not isinstance(conc, list) or not conc or not all(isinstance(c, int) and c >= 1 for c in conc):
+            raise _e(path, "throughput.concurrency", f"{conc!r}", "a list of integers >= 1, e.g. [1, 4, 8]")
+        wl = _workload(path, "throughput.workload", t.get("workload", {}), "random")
+        ss_over = t.get("single_stream", {})
+        if not isinstance(ss_over, dict):
+            raise _e(path, "throughput.single_stream", "must be an object of workload fields", "e.g. {\"num_prompts\": 3}")
+        base = {k: v for k, v in wl.to_dict().items() if k != "name"}
+        ss = _workload(path, "throughput.single_stream", {**base, **ss_over, "concurrency": 1}, wl.name + "-single")
+        tp = ThroughputSpec(
+            workload=wl, concurrency=tuple(conc), prompts_per_concurrency=int(t.get("prompts_per_concurrency", 2)),
+            single_stream=ss,
+            gated_single=_metrics_list(path, "throughput.gated_single", t.get("gated_single", ["decode_tok_s", "ttft_ms_p50"])),
+            gated_sweep=_metrics_list(path, "throughput.gated_sweep", t.get("gated_sweep", ["output_throughput", "tpot_ms_p50"])),
+        )
+    g = raw.get("gate", {})
+    if not isinstance(g, dict) or set(g) - {"floor", "noise_mult", "alpha", "floors"}:
+        raise _e(path, "gate", f"unknown key(s) {sorted(set(g) - {'floor', 'noise_mult', 'alpha', 'floors'})}",
+                 "allowed: floor, noise_mult, alpha, floors")
+    try:
+        gcfg = GateConfig(floor=float(g.get("floor", 0.10)), noise_mult=float(g.get("noise_mult", 3.0)),
+                          alpha=float(g.get("alpha", 0.05)))
+    except ValueError as ex:
+        raise _e(path, "gate", str(ex), "floor is a fraction (0.10 = 10%)") from None
+    floors = g.get("floors", {})
+    for k in floors:
+        if k not in METRICS:
+            raise _e(path, f"gate.floors.{k}", "unknown metric", f"use one of: {', '.join(sorted(METRICS))}")
+    for section in ("eagle3", "alignment", "nccl", "sources"):
+        if section in raw and not isinstance(raw[section], dict):
+            raise _e(path, section, "must be an object", "see profiles/embedded-cpu.json")
+    return Profile(
+        name=name, path=Path(path), description=str(raw.get("description", "")), hardware=hw, min_gpus=min_gpus,
+        model=model, engines=engines, default_engines=tuple(default), repeats=repeats, throughput=tp,
+        gate=GateSpec(gcfg, {k: float(v) for k, v in floors.items()}), eagle3=raw.get("eagle3", {}),
+        alignment=raw.get("alignment", {}), nccl=raw.get("nccl", {}), sources=raw.get("sources", {}),
+    )
+
+
+def find_profile(name_or_path: str, roots: list[Path]) -> Path:
+    p = Path(name_or_path)
+    if p.suffix == ".json" or "/" in name_or_path:
+        if not p.is_file():
+            raise ProfileError(f"--perf-profile {name_or_path}: no such file")
+        return p
+    for root in roots:
+        cand = root / f"{name_or_path}.json"
+        if cand.is_file():
+            return cand
+    known = sorted({f.stem for r in roots if r.is_dir() for f in r.glob("*.json")})
+    raise ProfileError(f"unknown profile {name_or_path!r}; known profiles: {', '.join(known) or '(none)'} "
+                       f"(looked in {', '.join(str(r) for r in roots)})")

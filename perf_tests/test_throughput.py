@@ -1,0 +1,45 @@
+"""Throughput gates: single-stream decode speed and a concurrency sweep, per engine of the profile.
+
+Every engine is measured by the same client with the same pinned workload, so the sweep's table and
+plot compare SGLang, vLLM and the reference engine like for like. Workload sizes, concurrency levels,
+repeats and gated metrics come from the profile; tolerances from its ``gate`` section.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kimi_perf.bench import measure, samples_of
+
+pytestmark = pytest.mark.perf
+
+REPORTED = ["output_throughput", "steady_output_throughput", "request_throughput", "decode_tok_s",
+            "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p90", "tpot_ms_p99", "inter_chunk_ms_p50",
+            "inter_chunk_ms_p99", "e2el_ms_p50", "error_rate", "client_cpu_us_per_chunk"]
+
+
+def _spec(perf_session):
+    tp = perf_session.profile.throughput
+    if tp is None:
+        pytest.skip(f"profile {perf_session.profile.name} defines no throughput section")
+    return tp
+
+
+def test_single_stream_decode(perf_session, perf_server, prompt_factory, perf_gate, target_model):
+    """Batch-1 decode tok/s and TTFT: the latency a single user sees."""
+    tp = _spec(perf_session)
+    w = tp.single_stream
+    results = measure(perf_server, w, prompt_factory, perf_session.repeats, label=f"{perf_server.name} single-stream")
+    perf_gate.check(scenario="single_stream", engine=perf_server.name, model=target_model.name, workload=w.key,
+                    concurrency=1, samples=samples_of(results, REPORTED), gated=tp.gated_single,
+                    engine_version=perf_server.version)
+
+
+def test_concurrency_sweep(perf_session, perf_server, prompt_factory, perf_gate, target_model, perf_concurrency):
+    """Output throughput and TPOT at each concurrency level of the profile."""
+    tp = _spec(perf_session)
+    w = tp.sweep_workload(perf_concurrency)
+    results = measure(perf_server, w, prompt_factory, perf_session.repeats, label=f"{perf_server.name} sweep")
+    perf_gate.check(scenario="throughput_sweep", engine=perf_server.name, model=target_model.name, workload=w.key,
+                    concurrency=perf_concurrency, samples=samples_of(results, REPORTED), gated=tp.gated_sweep,
+                    engine_version=perf_server.version)
