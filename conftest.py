@@ -1,4 +1,5 @@
 pytest_plugins = [
+    "pytester",
     "kimi_perf.plugin",
     "fixtures.models",
     "fixtures.servers",

@@ -179,11 +179,11 @@ class ServerProcess:
         argv = [str(a) for a in self.spec.argv_for_port(port)]
         env = {**os.environ, **self.spec.env}
         env.setdefault("PYTHONUNBUFFERED", "1")
-        with self.log_path.open("wb") as log:
-            log.write(f"$ {' '.join(argv)}\n".encode())
-            log.flush()
+        with self.log_path.open("wb") as logf:
+            logf.write(f"$ {' '.join(argv)}\n".encode())
+            logf.flush()
             self.proc = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                 cwd=self.spec.cwd, start_new_session=True, preexec_fn=_child_setup,
             )
         with _LIVE_LOCK:

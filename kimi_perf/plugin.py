@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -72,6 +73,9 @@ class PerfSession:
     results: list[dict[str, Any]] = field(default_factory=list)
     started: float = field(default_factory=time.time)
     gpus: list[dict[str, str]] = field(default_factory=list)
+    # measurements later tests of this process may reuse (e.g. the sweep's medians for the batching
+    # gain); a test that finds nothing here measures for itself, so -k and xdist stay correct
+    cache: dict[Any, Any] = field(default_factory=dict)
 
     def gate_config(self, metric: str):  # type: ignore[no-untyped-def]
         return self.profile.gate.for_metric(metric)
@@ -153,6 +157,8 @@ def _opt(config: pytest.Config, name: str) -> Any:
 def pytest_configure(config: pytest.Config) -> None:
     for name, desc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {desc}")
+    if config.option.help or config.option.version:
+        return  # --help must work even where the default profile does not exist
     rootdir = Path(str(config.rootpath))
     try:
         prof_path = find_profile(str(_opt(config, "perf_profile")), [rootdir / "profiles", Path.cwd() / "profiles"])
@@ -209,15 +215,17 @@ def pytest_configure(config: pytest.Config) -> None:
 def _install_progress_sink(config: pytest.Config) -> None:
     from . import progress
 
-    capman = config.pluginmanager.getplugin("capturemanager")
-    tw = config.get_terminal_writer()
-
     def sink(line: str) -> None:
-        if capman is None:
-            tw.line(line)
-            return
-        with capman.global_and_fixture_disabled():
-            tw.line(line)
+        # looked up per line: the terminal reporter registers after this plugin configures
+        tr = config.pluginmanager.getplugin("terminalreporter")
+        capman = config.pluginmanager.getplugin("capturemanager")
+        if tr is None:
+            print(line, file=sys.stderr, flush=True)
+        elif capman is None:
+            tr.write_line(line)
+        else:
+            with capman.global_and_fixture_disabled():
+                tr.write_line(line)
 
     progress.set_sink(sink)
     config.add_cleanup(lambda: progress.set_sink(None))

@@ -57,6 +57,7 @@ class ThroughputSpec:
     single_stream: Workload
     gated_single: tuple[str, ...]
     gated_sweep: tuple[str, ...]
+    batching_gain: tuple[int, float] | None = None  # (concurrency C, minimum tok/s ratio C vs 1)
 
     def sweep_workload(self, c: int) -> Workload:
         return self.workload.with_concurrency(c, num_prompts=max(self.workload.num_prompts, self.prompts_per_concurrency * c))
@@ -165,7 +166,8 @@ def load_profile(path: Path) -> Profile:
         t = raw["throughput"]
         if not isinstance(t, dict):
             raise _e(path, "throughput", "must be an object", "see profiles/embedded-cpu.json")
-        bad = set(t) - {"workload", "concurrency", "prompts_per_concurrency", "single_stream", "gated_single", "gated_sweep"}
+        bad = set(t) - {"workload", "concurrency", "prompts_per_concurrency", "single_stream", "gated_single",
+                        "gated_sweep", "batching_gain"}
         if bad:
             raise _e(path, "throughput", f"unknown key(s) {sorted(bad)}", "see profiles/embedded-cpu.json")
         conc = t.get("concurrency", [1])
@@ -177,11 +179,17 @@ def load_profile(path: Path) -> Profile:
             raise _e(path, "throughput.single_stream", "must be an object of workload fields", "e.g. {\"num_prompts\": 3}")
         base = {k: v for k, v in wl.to_dict().items() if k != "name"}
         ss = _workload(path, "throughput.single_stream", {**base, **ss_over, "concurrency": 1}, wl.name + "-single")
+        bg = t.get("batching_gain")
+        if bg is not None and (not isinstance(bg, dict) or set(bg) != {"concurrency", "min_ratio"}
+                               or bg["concurrency"] not in conc):
+            raise _e(path, "throughput.batching_gain", f"{bg!r}",
+                     '{"concurrency": C, "min_ratio": R} with C one of throughput.concurrency')
         tp = ThroughputSpec(
             workload=wl, concurrency=tuple(conc), prompts_per_concurrency=int(t.get("prompts_per_concurrency", 2)),
             single_stream=ss,
             gated_single=_metrics_list(path, "throughput.gated_single", t.get("gated_single", ["decode_tok_s", "ttft_ms_p50"])),
             gated_sweep=_metrics_list(path, "throughput.gated_sweep", t.get("gated_sweep", ["output_throughput", "tpot_ms_p50"])),
+            batching_gain=(int(bg["concurrency"]), float(bg["min_ratio"])) if bg else None,
         )
     g = raw.get("gate", {})
     if not isinstance(g, dict) or set(g) - {"floor", "noise_mult", "alpha", "floors"}:

@@ -40,6 +40,38 @@ def test_concurrency_sweep(perf_session, perf_server, prompt_factory, perf_gate,
     tp = _spec(perf_session)
     w = tp.sweep_workload(perf_concurrency)
     results = measure(perf_server, w, prompt_factory, perf_session.repeats, label=f"{perf_server.name} sweep")
+    samples = samples_of(results, REPORTED)
+    perf_session.cache[("sweep", perf_server.name, perf_concurrency)] = samples["output_throughput"]
     perf_gate.check(scenario="throughput_sweep", engine=perf_server.name, model=target_model.name, workload=w.key,
-                    concurrency=perf_concurrency, samples=samples_of(results, REPORTED), gated=tp.gated_sweep,
+                    concurrency=perf_concurrency, samples=samples, gated=tp.gated_sweep,
                     engine_version=perf_server.version)
+
+
+def test_batching_gain(perf_session, perf_server, prompt_factory, perf_gate, target_model):
+    """Continuous batching must pay: output tok/s at concurrency C over C=1, measured in this run.
+
+    An engine that serialises requests (or whose scheduler stopped batching) keeps its C=1 speed and
+    fails here even if no absolute baseline exists yet.
+    """
+    tp = _spec(perf_session)
+    if tp.batching_gain is None:
+        pytest.skip(f"profile {perf_session.profile.name} sets no throughput.batching_gain")
+    c, min_ratio = tp.batching_gain
+    per_c = {}
+    for conc in (1, c):
+        cached = perf_session.cache.get(("sweep", perf_server.name, conc))
+        if cached is None:  # sweep not run in this process (-k, xdist): measure here
+            w = tp.sweep_workload(conc)
+            cached = samples_of(measure(perf_server, w, prompt_factory, perf_session.repeats,
+                                        label=f"{perf_server.name} batching"), ["output_throughput"])["output_throughput"]
+        per_c[conc] = cached
+    ratios = [b / a for a, b in zip(per_c[1], per_c[c])]
+    perf_gate.check(scenario="batching_gain", engine=perf_server.name, model=target_model.name,
+                    workload=tp.sweep_workload(c).key, concurrency=c, samples={"batching_gain": ratios},
+                    gated=["batching_gain"], engine_version=perf_server.version)
+    import numpy as np
+
+    med = float(np.median(ratios))
+    assert med >= min_ratio, (f"batching_gain (higher is better, x): C={c} gives {med:.2f}x the C=1 output "
+                              f"throughput, below the required {min_ratio:.1f}x (ratios per repeat: "
+                              f"{', '.join(f'{r:.2f}' for r in ratios)})")

@@ -47,6 +47,36 @@ def _content(choice: dict[str, Any]) -> str:
     return delta.get("content") or ""
 
 
+def handle_event(out: StreamOutcome, data: str, now: float) -> bool:
+    """Apply one SSE ``data`` payload to ``out``; True for the ``[DONE]`` sentinel. This is the
+    client's whole per-chunk cost, which the overhead benchmark measures."""
+    out.n_events += 1
+    if data == "[DONE]":
+        return True
+    try:
+        ev = json.loads(data)
+    except json.JSONDecodeError:
+        out.error = f"malformed SSE data: {data[:120]!r}"
+        return False
+    if "error" in ev:
+        err = ev["error"]
+        out.error = f"in-stream error: {err.get('message', err) if isinstance(err, dict) else err}"
+        return False
+    usage = ev.get("usage")
+    if usage:
+        out.completion_tokens = usage.get("completion_tokens")
+        out.prompt_tokens = usage.get("prompt_tokens")
+    choices = ev.get("choices")
+    if choices:
+        text = _content(choices[0])
+        if text:
+            if out.t_first is None:
+                out.t_first = now
+            out.chunk_times.append(now)
+            out.text_parts.append(text)
+    return False
+
+
 async def stream_completion(
     session: Any,
     url: str,
@@ -71,31 +101,8 @@ async def stream_completion(
             async for chunk in resp.content.iter_any():
                 now = time.perf_counter()
                 for data in parser.feed(chunk):
-                    out.n_events += 1
-                    if data == "[DONE]":
+                    if handle_event(out, data, now):
                         done = True
-                        continue
-                    try:
-                        ev = json.loads(data)
-                    except json.JSONDecodeError:
-                        out.error = f"malformed SSE data: {data[:120]!r}"
-                        continue
-                    if "error" in ev:
-                        err = ev["error"]
-                        out.error = f"in-stream error: {err.get('message', err) if isinstance(err, dict) else err}"
-                        continue
-                    usage = ev.get("usage")
-                    if usage:
-                        out.completion_tokens = usage.get("completion_tokens")
-                        out.prompt_tokens = usage.get("prompt_tokens")
-                    choices = ev.get("choices") or []
-                    if choices:
-                        text = _content(choices[0])
-                        if text:
-                            if out.t_first is None:
-                                out.t_first = now
-                            out.chunk_times.append(now)
-                            out.text_parts.append(text)
 
     out.t_send = time.perf_counter()
     try:

@@ -91,7 +91,8 @@ def steady_window(records: list[RequestRecord], concurrency: int) -> tuple[float
     if start is None:
         return None
     last_send = max(r.t_send for r in records)
-    ends = [r.t_end for r in records if r.t_end >= last_send]
+    # strictly after: the end that freed the slot for the last send happens at (or just before) it
+    ends = [r.t_end for r in records if r.t_end > last_send]
     end = min(ends) if ends else None
     if end is None or end <= start:
         return None

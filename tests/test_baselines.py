@@ -1,0 +1,89 @@
+"""Baseline files: strict schema with errors naming file, entry and fix; atomic updates."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kimi_perf import baselines as bl
+from kimi_perf.baselines import BaselineEntry, BaselineError, BaselineKey, BaselineStore, MetricSamples
+
+KEY = {"scenario": "throughput_sweep", "engine": "reference", "model": "m", "hardware": "cpu-x86_64-2c",
+       "workload": "random-abc", "concurrency": 8}
+
+
+def good(samples=(10.0, 11.0, 12.0)):
+    return {"schema_version": 1, "profile": "p", "entries": [{
+        "key": dict(KEY), "engine_version": "0.1.0",
+        "metrics": {"output_throughput": {"unit": "tok/s", "direction": "higher", "samples": list(samples)}}}]}
+
+
+def write(tmp_path, data):
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(data) if not isinstance(data, str) else data)
+    return p
+
+
+def test_roundtrip(tmp_path):
+    st = BaselineStore(write(tmp_path, good()), "p")
+    assert st.lookup_samples(BaselineKey(**KEY), "output_throughput") == (10.0, 11.0, 12.0)
+    assert st.lookup_samples(BaselineKey(**{**KEY, "concurrency": 4}), "output_throughput") is None
+
+
+@pytest.mark.parametrize("mutate, needle", [
+    (lambda d: d.update(schema_version=2), "schema_version"),
+    (lambda d: d["entries"][0]["metrics"].update(output_thruput=d["entries"][0]["metrics"]["output_throughput"]),
+     "unknown metric 'output_thruput'"),
+    (lambda d: d["entries"][0]["metrics"]["output_throughput"].update(direction="lower"), "direction"),
+    (lambda d: d["entries"][0]["metrics"]["output_throughput"].update(unit="ms"), "unit"),
+    (lambda d: d["entries"][0]["metrics"]["output_throughput"].update(samples=[]), "samples"),
+    (lambda d: d["entries"][0]["metrics"]["output_throughput"].update(samples=["fast"]), "samples"),
+    (lambda d: d["entries"][0]["key"].pop("hardware"), "missing ['hardware']"),
+    (lambda d: d["entries"][0]["key"].update(concurrency="8"), "concurrency"),
+    (lambda d: d["entries"].append(d["entries"][0]), "duplicate key"),
+    (lambda d: d.update(extra=1), "unknown field"),
+])
+def test_schema_errors_name_file_key_and_fix(tmp_path, mutate, needle):
+    d = good()
+    mutate(d)
+    p = write(tmp_path, d)
+    with pytest.raises(BaselineError) as ei:
+        BaselineStore(p, "p")
+    msg = str(ei.value)
+    assert str(p) in msg and needle in msg and "Fix:" in msg
+
+
+def test_invalid_json_names_line(tmp_path):
+    with pytest.raises(BaselineError, match=r"not valid JSON \(line 1"):
+        BaselineStore(write(tmp_path, "{not json"), "p")
+
+
+def test_profile_mismatch(tmp_path):
+    with pytest.raises(BaselineError, match="profile is 'p'"):
+        BaselineStore(write(tmp_path, good()), "other")
+
+
+def test_update_merges_and_keeps_unmeasured_metrics(tmp_path):
+    p = write(tmp_path, good())
+    st = BaselineStore(p, "p")
+    new = BaselineEntry(key=BaselineKey(**KEY), metrics={"tpot_ms_p50": MetricSamples("ms", "lower", (5.0, 6.0))})
+    st.write([new])
+    again = BaselineStore(p, "p")
+    e = again.get(BaselineKey(**KEY))
+    assert set(e.metrics) == {"output_throughput", "tpot_ms_p50"}
+
+
+def test_crash_mid_write_leaves_old_file(tmp_path, monkeypatch):
+    p = write(tmp_path, good())
+    before = p.read_text()
+    st = BaselineStore(p, "p")
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(bl.json, "dump", boom)
+    with pytest.raises(OSError):
+        st.write([BaselineEntry(key=BaselineKey(**KEY), metrics={"tpot_ms_p50": MetricSamples("ms", "lower", (1.0,))})])
+    assert p.read_text() == before
+    assert [f.name for f in tmp_path.iterdir()] == ["p.json"]  # no temp file left behind

@@ -1,0 +1,117 @@
+"""The pytest plugin end to end in a scratch project (pytester): options, usage errors, the gate as
+an assertion, the summary table, baseline update, and the same path under pytest-xdist."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+PROFILE = {
+    "name": "toy", "description": "toy profile", "hardware": "cpu",
+    "model": {"source": "path", "path": "/nonexistent", "name": "toy-model"},
+    "engines": {"reference": {"kind": "reference"}}, "repeats": 3,
+    "gate": {"floor": 0.05},
+}
+
+TEST = '''
+import pytest
+
+@pytest.mark.perf
+@pytest.mark.parametrize("speed", [{speeds}])
+def test_speed(perf_gate, speed):
+    perf_gate.check(scenario="toy", engine="reference", model="toy-model", workload="w-1", concurrency=1,
+                    samples={{"output_throughput": [speed, speed * 1.001, speed * 0.999]}},
+                    gated=["output_throughput"], engine_version="1.0")
+'''
+
+
+@pytest.fixture
+def project(pytester):
+    pytester.makeconftest('pytest_plugins = ["kimi_perf.plugin"]')
+    pytester.makeini("[pytest]\naddopts = --strict-markers -p no:cacheprovider\n")
+    (pytester.path / "profiles").mkdir()
+    (pytester.path / "profiles" / "toy.json").write_text(json.dumps(PROFILE))
+    return pytester
+
+
+def run(project, *args):
+    return project.runpytest_subprocess("--perf-profile", "toy", *args)
+
+
+def test_record_then_gate_then_fail(project):
+    project.makepyfile(test_toy=TEST.format(speeds="100.0"))
+    r = run(project, "--perf-update-baselines")
+    r.assert_outcomes(passed=1)
+    r.stdout.fnmatch_lines(["*kimi-perf summary*", "*output_throughput*UPDATED*", "*baselines updated*"])
+    data = json.loads((project.path / "baselines" / "toy.json").read_text())
+    assert data["entries"][0]["metrics"]["output_throughput"]["samples"] == pytest.approx([100, 100.1, 99.9])
+    assert (project.path / "perf-report" / "summary.md").is_file()
+    run_file = json.loads((project.path / "perf-report" / "run.json").read_text())
+    assert run_file["results"][0]["key"]["engine"] == "reference" and "machine" in run_file
+
+    project.makepyfile(test_toy=TEST.format(speeds="101.0"))
+    run(project).assert_outcomes(passed=1)
+
+    project.makepyfile(test_toy=TEST.format(speeds="70.0"))
+    r = run(project)
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines([
+        "*PerfRegression: performance regression in toy*",
+        "*output_throughput (higher is better, tok/s): baseline 100.0, current 70.0*delta -30.0%*tolerance 5.0%*FAIL*",
+        "*output_throughput*FAIL*",
+    ])
+
+
+def test_same_results_under_xdist(project):
+    pytest.importorskip("xdist")
+    project.makepyfile(test_toy=TEST.format(speeds="100.0, 50.0"))
+    run(project, "--perf-update-baselines").assert_outcomes(passed=2)
+    project.makepyfile(test_toy=TEST.format(speeds="100.0, 20.0"))
+    r = run(project, "-n", "2")
+    r.assert_outcomes(passed=1, failed=1)
+    r.stdout.fnmatch_lines(["*kimi-perf summary*", "*PASS*", "*FAIL*"])
+
+
+def test_unknown_profile_is_usage_error(project):
+    project.makepyfile(test_toy=TEST.format(speeds="1.0"))
+    r = project.runpytest_subprocess("--perf-profile", "nope")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines(["*unknown profile 'nope'; known profiles: toy*"])
+
+
+def test_unknown_engine_is_usage_error(project):
+    project.makepyfile(test_toy=TEST.format(speeds="1.0"))
+    r = run(project, "--perf-engine", "tgi")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines(["*has no engine tgi; its engines: reference*"])
+
+
+def test_malformed_baseline_is_usage_error(project):
+    (project.path / "baselines").mkdir()
+    (project.path / "baselines" / "toy.json").write_text('{"schema_version": 1, "profile": "toy", "entries": [{}]}')
+    project.makepyfile(test_toy=TEST.format(speeds="1.0"))
+    r = run(project)
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines(["*toy.json: entries[[]0[]].key: missing or not an object*Fix:*"])
+
+
+def test_unknown_flag_and_marker_are_errors(project):
+    project.makepyfile(test_toy="import pytest\n@pytest.mark.perff\ndef test_x():\n    pass\n")
+    r = run(project)
+    assert r.ret != 0
+    r.stdout.fnmatch_lines(["*'perff' not found in `markers`*"])
+    r = run(project, "--perf-repeat", "3")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+
+
+def test_help_lists_option_group(project):
+    r = project.runpytest_subprocess("--help")
+    r.stdout.fnmatch_lines(["*kimi-perf: LLM serving performance gates*", "*--perf-profile=NAME*",
+                            "*--perf-update-baselines*", "*perf_profile (string)*"])
+
+
+def test_collect_only_does_not_import_torch(project):
+    project.makepyfile(test_toy=TEST.format(speeds="1.0") + "\nimport sys\n\ndef test_no_torch():\n    assert 'torch' not in sys.modules\n")
+    r = run(project, "-k", "no_torch")
+    r.assert_outcomes(passed=1)

@@ -1,0 +1,105 @@
+"""The reference engine's compute and scheduler, in process: exactness against transformers, and
+continuous batching that changes nothing about each request's output."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from engine_helpers import PROMPTS, chat_ids, embedded_path
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return embedded_path()
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@pytest.fixture(scope="module")
+def hf_fp32(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+def make_engine(model_dir, dtype=torch.float32, **kw):
+    from kimi_perf.engines.reference.engine import Engine
+    from kimi_perf.engines.reference.model import LlamaRunner
+
+    runner = LlamaRunner.from_pretrained(model_dir, dtype=dtype, max_slots=8, max_len=512)
+    return Engine(runner, eos_token_ids={2}, max_running=8, **kw)
+
+
+def run_all(engine, prompts, max_new, ignore_eos=True):
+    from kimi_perf.engines.reference.engine import SamplingParams, Sequence
+
+    done = threading.Event()
+    seqs = [Sequence(rid=str(i), prompt=p, params=SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos))
+            for i, p in enumerate(prompts)]
+    left = {id(s) for s in seqs}
+
+    def on_step(events):
+        for e in events:
+            if e.finished:
+                left.discard(id(e.seq))
+        if not left:
+            done.set()
+
+    engine.on_step = on_step
+    engine.start()
+    try:
+        for s in seqs:
+            engine.submit(s)
+        assert done.wait(300), "engine did not finish"
+    finally:
+        engine.stop()
+    return [s.output for s in seqs]
+
+
+def test_greedy_matches_transformers_generate_fp32(model_dir, tok, hf_fp32):
+    prompts = [chat_ids(tok, p) for p in PROMPTS]
+    ours = run_all(make_engine(model_dir), prompts, 40, ignore_eos=False)
+    for p, o in zip(prompts, ours):
+        ref = hf_fp32.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=40, do_sample=False, eos_token_id=2,
+                               pad_token_id=2)[0, len(p):].tolist()
+        assert o == ref, f"diverged at {next((i for i, (a, b) in enumerate(zip(o, ref)) if a != b), None)}"
+
+
+def test_batching_does_not_change_outputs(model_dir, tok):
+    prompts = [chat_ids(tok, p) for p in PROMPTS]
+    alone = [run_all(make_engine(model_dir), [p], 24)[0] for p in prompts[:3]]
+    together = run_all(make_engine(model_dir), prompts, 24)
+    assert together[:3] == alone
+
+
+def test_hidden_state_capture_is_the_residual_entering_each_layer(model_dir, tok, hf_fp32):
+    from kimi_perf.engines.reference.model import CaptureSpec, LlamaRunner
+
+    ids = chat_ids(tok, PROMPTS[0])
+    r = LlamaRunner.from_pretrained(model_dir, dtype=torch.float32, max_slots=1, max_len=256)
+    out = r.forward(0, torch.tensor([ids]), [0], [len(ids)], capture=CaptureSpec(layers=(0, 2, 15, 30), final_norm=True),
+                    logits="none")
+    with torch.no_grad():
+        hf = hf_fp32(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    for k in (0, 2, 15):
+        torch.testing.assert_close(out.hidden[k][0], hf[k][0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.hidden["final"][0], hf[30][0], rtol=1e-4, atol=1e-4)  # HF's last = post-norm
+    assert not torch.allclose(out.hidden[30][0], hf[30][0], atol=1e-2)  # pre-norm differs (norm weights != 1)
+
+
+def test_detokenizer_streams_the_same_text(model_dir, tok):
+    from kimi_perf.engines.reference.detok import IncrementalDetokenizer
+
+    ids = tok("Héllo wörld — 漢字 and emoji 🎉 done.")["input_ids"]
+    d = IncrementalDetokenizer(tok.backend_tokenizer, len(tok))
+    text = "".join(d.add([i]) for i in ids) + d.flush()
+    assert text == tok.decode(ids, skip_special_tokens=True)
