@@ -103,7 +103,9 @@ def test_sigterm_ignoring_server_is_killed(tmp_path):
 
 
 DRIVER = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
+    # a job started in the background inherits SIGINT=ignored; an interactive pytest does not
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, {root!r})
     from pathlib import Path
     from kimi_perf.launcher import LaunchSpec, ServerProcess

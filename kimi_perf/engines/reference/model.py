@@ -16,7 +16,6 @@ gather) and new sequences are prefilled in the slots right after the running one
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -277,8 +276,6 @@ class LlamaRunner:
             for _ in range(shape.num_layers)
         ]
         self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
-        self._q_size = shape.num_heads * shape.head_dim
-        self._kv_size = kv * shape.head_dim
         self._kpos = torch.arange(max_len, device=device)
         self._attn_fp32 = device.type == "cpu" and dtype != torch.float32
 
@@ -355,34 +352,19 @@ class LlamaRunner:
         bsz, q = tokens.shape
         if start_slot + bsz > self.max_slots:
             raise ValueError(f"slots [{start_slot}, {start_slot + bsz}) exceed max_slots={self.max_slots}")
-        totals = [c + n for c, n in zip(cache_lens, q_lens)]
-        t_max = max(totals)
-        if t_max > self.max_len:
-            raise ValueError(f"sequence length {t_max} exceeds the cache's max_len={self.max_len}")
         dev = self.device
-        c_t = torch.tensor(list(cache_lens), device=dev)
-        n_t = torch.tensor(list(q_lens), device=dev)
-        ar = torch.arange(q, device=dev)
-        positions = c_t[:, None] + ar[None, :]  # [B, q]
-        real = ar[None, :] < n_t[:, None]
-        positions = torch.where(real, positions, torch.full_like(positions, self.max_len))
-        total_t = c_t + n_t
-        kpos = self._kpos[:t_max]
-        # allowed[b, i, j]: causal against the query's own position, and only real cached/new keys.
-        allowed = (kpos[None, None, :] <= positions[:, :, None]) & (kpos[None, None, :] < total_t[:, None, None])
-        mask = allowed[:, None, :, :]  # [B, 1(heads), q, T]
-        cos = self.cos[positions].unsqueeze(2)  # [B, q, 1, D]
-        sin = self.sin[positions].unsqueeze(2)
-        rows = torch.arange(start_slot, start_slot + bsz, device=dev)[:, None].expand(bsz, q)
-
+        sb = make_slot_batch(start_slot, cache_lens, q_lens, q, max_len=self.max_len, cos_table=self.cos,
+                             sin_table=self.sin, kpos=self._kpos, device=dev)
+        n_t = sb.n_t
         hidden: dict[int | str, torch.Tensor] = {}
         want = set(capture.layers)
         x = self.embed(tokens)
         for i, layer in enumerate(self.w.layers):
             if i in want:
                 hidden[i] = x.clone()
-            x = x + self._attention(i, layer, rms_norm(x, layer.input_norm, s.rms_norm_eps),
-                                    rows, positions, cos, sin, mask, start_slot, bsz, t_max)
+            x = x + cached_attention(rms_norm(x, layer.input_norm, s.rms_norm_eps), layer.qkv, layer.o,
+                                     self.k_cache[i], self.v_cache[i], sb, heads=s.num_heads,
+                                     kv_heads=s.num_kv_heads, head_dim=s.head_dim, attn_fp32=self._attn_fp32)
             h = rms_norm(x, layer.post_norm, s.rms_norm_eps)
             gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.down)
@@ -404,53 +386,69 @@ class LlamaRunner:
             out_logits = self.logits(rms_norm(last, self.w.norm, s.rms_norm_eps))
         return RunnerOutput(logits=out_logits, hidden=hidden)
 
-    def _attention(
-        self,
-        i: int,
-        layer: LayerWeights,
-        h: torch.Tensor,
-        rows: torch.Tensor,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor,
-        start: int,
-        bsz: int,
-        t_max: int,
-    ) -> torch.Tensor:
-        s = self.shape
-        q_len = h.shape[1]
-        qkv = F.linear(h, layer.qkv)
-        qs, ks, vs = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
-        qs = qs.view(bsz, q_len, s.num_heads, s.head_dim)
-        ks = ks.view(bsz, q_len, s.num_kv_heads, s.head_dim)
-        vs = vs.view(bsz, q_len, s.num_kv_heads, s.head_dim)
-        qs = qs * cos + _rotate_half(qs) * sin
-        ks = ks * cos + _rotate_half(ks) * sin
-        kc, vc = self.k_cache[i], self.v_cache[i]
-        # advanced indices on dims 0 and 2 with a slice between: the value is laid out [B, q, kv, D]
-        kc[rows, :, positions] = ks
-        vc[rows, :, positions] = vs
-        keys = kc[start : start + bsz, :, :t_max]  # [B, kv, T, D] view, no copy
-        vals = vc[start : start + bsz, :, :t_max]
-        qh = qs.transpose(1, 2)  # [B, H, q, D]
-        if self._attn_fp32:
-            # CPU kernels for bf16 attention are 3-4x slower than fp32 at decode shapes; the upcast of
-            # the cached bf16 values is exact, so this only adds precision.
-            qh, keys, vals = qh.float(), keys.float(), vals.float()
-        out = F.scaled_dot_product_attention(qh, keys, vals, attn_mask=mask, enable_gqa=True,
-                                             scale=1.0 / math.sqrt(s.head_dim))
-        out = out.to(h.dtype).transpose(1, 2).reshape(bsz, q_len, -1)
-        return F.linear(out, layer.o)
+
+@dataclass
+class SlotBatch:
+    """Geometry of one forward over slots ``[start, start + bsz)``, shared by every layer (and by the
+    EAGLE-3 drafter's layer, which uses the same cache layout)."""
+
+    start: int
+    bsz: int
+    q_len: int
+    t_max: int
+    rows: torch.Tensor  # [B, q] slot index of each new token
+    positions: torch.Tensor  # [B, q] cache position (right padding -> the scratch position)
+    cos: torch.Tensor  # [B, q, 1, D]
+    sin: torch.Tensor
+    mask: torch.Tensor  # [B, 1, q, T] bool
+    n_t: torch.Tensor  # [B] real new tokens per row
 
 
-def shape_summary(shape: LlamaShape) -> dict[str, Any]:
-    d = json.loads(json.dumps(shape.__dict__))
-    d["params"] = shape.num_params()
-    return d
+def make_slot_batch(start: int, cache_lens: Sequence[int], q_lens: Sequence[int], q: int, *, max_len: int,
+                    cos_table: torch.Tensor, sin_table: torch.Tensor, kpos: torch.Tensor,
+                    device: torch.device) -> SlotBatch:
+    bsz = len(cache_lens)
+    totals = [c + n for c, n in zip(cache_lens, q_lens)]
+    t_max = max(totals)
+    if t_max > max_len:
+        raise ValueError(f"sequence length {t_max} exceeds the cache's max_len={max_len}")
+    c_t = torch.tensor(list(cache_lens), device=device)
+    n_t = torch.tensor(list(q_lens), device=device)
+    ar = torch.arange(q, device=device)
+    positions = c_t[:, None] + ar[None, :]
+    real = ar[None, :] < n_t[:, None]
+    positions = torch.where(real, positions, torch.full_like(positions, max_len))
+    kp = kpos[:t_max]
+    # allowed[b, i, j]: causal against the query's own position, and only real cached/new keys
+    allowed = (kp[None, None, :] <= positions[:, :, None]) & (kp[None, None, :] < (c_t + n_t)[:, None, None])
+    rows = torch.arange(start, start + bsz, device=device)[:, None].expand(bsz, q)
+    return SlotBatch(start=start, bsz=bsz, q_len=q, t_max=t_max, rows=rows, positions=positions,
+                     cos=cos_table[positions].unsqueeze(2), sin=sin_table[positions].unsqueeze(2),
+                     mask=allowed[:, None, :, :], n_t=n_t)
 
 
-def pad_batch(seqs: Sequence[Sequence[int]], pad: int = 0) -> tuple[list[list[int]], list[int]]:
-    lens = [len(x) for x in seqs]
-    width = max(lens)
-    return [list(x) + [pad] * (width - len(x)) for x in seqs], lens
+def cached_attention(h: torch.Tensor, qkv_w: torch.Tensor, o_w: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, b: SlotBatch, *, heads: int, kv_heads: int, head_dim: int,
+                     attn_fp32: bool) -> torch.Tensor:
+    """Fused-QKV projection, RoPE, cache write, masked attention over the slots' cache, output proj."""
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qs, ks, vs = F.linear(h, qkv_w).split([q_size, kv_size, kv_size], dim=-1)
+    qs = qs.view(b.bsz, b.q_len, heads, head_dim)
+    ks = ks.view(b.bsz, b.q_len, kv_heads, head_dim)
+    vs = vs.view(b.bsz, b.q_len, kv_heads, head_dim)
+    qs = qs * b.cos + _rotate_half(qs) * b.sin
+    ks = ks * b.cos + _rotate_half(ks) * b.sin
+    # advanced indices on dims 0 and 2 with a slice between: the value is laid out [B, q, kv, D]
+    k_cache[b.rows, :, b.positions] = ks
+    v_cache[b.rows, :, b.positions] = vs
+    keys = k_cache[b.start : b.start + b.bsz, :, : b.t_max]  # [B, kv, T, D] view, no copy
+    vals = v_cache[b.start : b.start + b.bsz, :, : b.t_max]
+    qh = qs.transpose(1, 2)  # [B, H, q, D]
+    if attn_fp32:
+        # CPU kernels for bf16 attention are 3-4x slower than fp32 at decode shapes; the upcast of the
+        # cached bf16 values is exact, so this only adds precision.
+        qh, keys, vals = qh.float(), keys.float(), vals.float()
+    out = F.scaled_dot_product_attention(qh, keys, vals, attn_mask=b.mask, enable_gqa=True,
+                                         scale=1.0 / math.sqrt(head_dim))
+    out = out.to(h.dtype).transpose(1, 2).reshape(b.bsz, b.q_len, -1)
+    return F.linear(out, o_w)

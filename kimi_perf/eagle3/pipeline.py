@@ -1,0 +1,179 @@
+"""Train-or-load an EAGLE-3 drafter end to end: regenerate -> vocab -> features -> train -> export.
+
+Why a cached pipeline: the drafter fixture runs in every session, but training takes minutes (CPU CI)
+to an hour (GPU). Every stage is keyed and stored under ``<cache>/eagle3/<target fingerprint>/``:
+samples by the data config, features by the feature spec, the drafter by (features, train config).
+Changing one stage's config redoes that stage and the ones after it, nothing before. Each stage is
+itself resumable (see data.py, features.py, train.py), so a killed run continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..baselines import atomic_write_json
+from ..models.embedded import cache_root, file_lock
+from ..progress import log
+from .data import DataConfig, Sample, build_items, generate_samples, samples_digest
+from .features import FeatureSpec, extract_features
+from .model import save_drafter
+from .train import TrainConfig, TrainResult, train_drafter
+from .vocab import build_vocab_maps, count_tokens
+
+__all__ = ["DrafterArtifact", "DrafterRecipe", "build_drafter", "load_target_tensors"]
+
+
+@dataclass(frozen=True)
+class DrafterRecipe:
+    data: DataConfig = field(default_factory=DataConfig)
+    features: FeatureSpec = field(default_factory=FeatureSpec)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DrafterRecipe:
+        def mk(klass: Any, raw: dict[str, Any] | None) -> Any:
+            raw = dict(raw or {})
+            for k, v in list(raw.items()):
+                if isinstance(v, list):
+                    raw[k] = tuple(v)
+            unknown = set(raw) - set(klass.__dataclass_fields__)
+            if unknown:
+                raise ValueError(f"unknown {klass.__name__} field(s) {sorted(unknown)}; "
+                                 f"known: {sorted(klass.__dataclass_fields__)}")
+            return klass(**raw)
+
+        unknown = set(d) - {"data", "features", "train"}
+        if unknown:
+            raise ValueError(f"unknown drafter recipe section(s) {sorted(unknown)}: use data, features, train")
+        return cls(mk(DataConfig, d.get("data")), mk(FeatureSpec, d.get("features")), mk(TrainConfig, d.get("train")))
+
+
+@dataclass(frozen=True)
+class DrafterArtifact:
+    path: Path
+    feature_dir: Path
+    samples_path: Path
+    train_ids: tuple[str, ...]
+    heldout_ids: tuple[str, ...]
+    report: dict[str, Any]
+
+
+def load_target_tensors(model_dir: Path) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
+    """(config dict, embedding [V, H] fp32, lm_head [V, H] fp32) of a transformers checkpoint."""
+    from safetensors import safe_open
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    embed = lm = None
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            keys = set(h.keys())
+            if "model.embed_tokens.weight" in keys:
+                embed = h.get_tensor("model.embed_tokens.weight").float()
+            if "lm_head.weight" in keys:
+                lm = h.get_tensor("lm_head.weight").float()
+    if embed is None:
+        raise FileNotFoundError(f"{model_dir}: no model.embed_tokens.weight in its safetensors")
+    return cfg, embed, (lm if lm is not None and not cfg.get("tie_word_embeddings") else embed)
+
+
+def build_drafter(
+    recipe: DrafterRecipe,
+    target_dir: Path,
+    target_fingerprint: str,
+    *,
+    gen_url: str,
+    tokenizer: Any,
+    root: Path | None = None,
+) -> DrafterArtifact:
+    root = (root or cache_root()) / "eagle3" / target_fingerprint
+    data_dir = root / f"data-{recipe.data.digest()}"
+    feat_dir = data_dir / f"features-{recipe.features.digest()}"
+    work = feat_dir / f"drafter-{recipe.train.digest()}"
+    out = work / "drafter"
+    with file_lock(root / ".pipeline.lock", what="building an EAGLE-3 drafter"):
+        if (out / "COMPLETE").is_file():
+            rep = json.loads((out / "report.json").read_text())
+            log(f"drafter: reusing {out} (trained {rep['train']['steps']} steps on {rep['data']['train_tokens']} tokens)")
+            return DrafterArtifact(out, feat_dir, data_dir / "samples.jsonl", tuple(rep["data"]["train_ids"]),
+                                   tuple(rep["data"]["heldout_ids"]), rep)
+        t0 = time.monotonic()
+        items = build_items(recipe.data)
+        samples = generate_samples(gen_url, tokenizer, items, data_dir / "samples.jsonl", recipe.data)
+        t_data = time.monotonic() - t0
+        train = [s for s in samples.values() if s.split == "train"]
+        heldout = [s for s in samples.values() if s.split == "heldout"]
+        if not train:
+            raise RuntimeError("no training samples were generated (all prompts too long?)")
+        cfg, embed, lm = load_target_tensors(target_dir)
+        vocab = int(cfg["vocab_size"])
+        counts = count_tokens(((s.ids, s.loss_mask) for s in train), vocab)
+        d2t, t2d = build_vocab_maps(counts, recipe.train.draft_vocab_size)
+        covered = float(counts[t2d].sum() / max(1, counts.sum()))
+        log(f"drafter vocab: {int((counts > 0).sum())} distinct assistant tokens, draft vocab "
+            f"{recipe.train.draft_vocab_size} covers {covered:.1%} of them by frequency")
+        t1 = time.monotonic()
+        store = extract_features(list(samples.values()), target_dir, feat_dir, recipe.features,
+                                 model_fingerprint=target_fingerprint, max_len=recipe.train.max_seq_len)
+        t_feat = time.monotonic() - t1
+        train_ids = [s.id for s in train if s.id in set(store.sample_ids)]
+        model, res = train_drafter(store, train_ids, cfg, embed, lm, torch.from_numpy(d2t), torch.from_numpy(t2d),
+                                   work, recipe.train)
+        if res.steps < 1 or math.isnan(res.final_loss):
+            raise RuntimeError(f"drafter training produced no usable model (steps {res.steps}, loss {res.final_loss})")
+        aux_for = None if store.layers == (2, int(cfg["num_hidden_layers"]) // 2, int(cfg["num_hidden_layers"]) - 3) else "reference"
+        save_drafter(model, out, aux_ids_for=aux_for, extra_meta={"recipe": _jsonable(recipe),
+                                                                  "feature_backend": store.manifest["backend"]})
+        report = {
+            "recipe": _jsonable(recipe),
+            "data": {"samples": len(samples), "train": len(train), "heldout": len(heldout),
+                     "train_tokens": int(sum(len(s.ids) for s in train)),
+                     "train_response_tokens": int(sum(len(s.response_ids) for s in train)),
+                     "samples_digest": samples_digest(list(samples.values())), "seconds": t_data,
+                     "train_ids": sorted(train_ids), "heldout_ids": sorted(s.id for s in heldout)},
+            "vocab": {"distinct_assistant_tokens": int((counts > 0).sum()), "coverage": covered},
+            "features": {"dir": str(feat_dir), "layers": list(store.layers), "backend": store.manifest["backend"],
+                         "backend_version": store.manifest["backend_version"], "tokens": store.num_tokens,
+                         "seconds": t_feat, "planted_layer_offset": recipe.features.layer_offset},
+            "train": asdict(res) if isinstance(res, TrainResult) else res,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        atomic_write_json(out / "report.json", report)
+        (out / "COMPLETE").write_text("ok\n")
+        log(f"drafter: built {out} in {time.monotonic() - t0:.0f}s (data {t_data:.0f}s, features {t_feat:.0f}s, "
+            f"training {res.seconds:.0f}s at {res.tokens_per_s:.0f} tok/s)")
+        return DrafterArtifact(out, feat_dir, data_dir / "samples.jsonl", tuple(sorted(train_ids)),
+                               tuple(sorted(s.id for s in heldout)), report)
+
+
+def _jsonable(recipe: DrafterRecipe) -> dict[str, Any]:
+    return json.loads(json.dumps(asdict(recipe), default=str))
+
+
+def heldout_prompts(samples_path: Path, heldout_ids: tuple[str, ...], *, source: str = "mtbench",
+                    first_turn_only: bool = True) -> list[list[int]]:
+    """Prompt ids of held-out samples (the chat-templated user turn), for acceptance measurement."""
+    from .data import read_samples
+
+    s = read_samples(samples_path)
+    out = []
+    for sid in heldout_ids:
+        smp: Sample | None = s.get(sid)
+        if smp is None or smp.source != source or (first_turn_only and not sid.endswith("-t1")):
+            continue
+        out.append(smp.prompt_ids)
+    return out
+
+
+def vocab_maps_of(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    from safetensors.torch import load_file
+
+    t = load_file(str(Path(path) / "model.safetensors"))
+    return t["d2t"].numpy(), t["t2d"].numpy()

@@ -1,0 +1,247 @@
+"""EAGLE-3 drafter training: TTT loss, AdamW with warmup, clipping, bf16 on CUDA, checkpoints, resume.
+
+Why resumable to the batch: training on the 2-core CI box or a shared GPU gets killed. The trainer
+writes ``train_state.pt`` (model, optimiser, scheduler position, epoch order, RNG) atomically every
+``checkpoint_every`` steps and at the end; a restart with the same config continues from the last
+checkpoint without redoing finished steps. Progress lines report loss, per-step top-1 accuracy and
+tokens/s, so a run is never silent.
+
+Targets: the target's distribution at each position restricted to the draft vocabulary, computed
+from the stored post-norm final hidden and the target's lm_head rows (``t2d``); positions whose
+predicted token is not an assistant token, or whose target argmax is outside the draft vocabulary,
+are masked (NOTES.md section 4).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..progress import log
+from .features import FeatureSample, FeatureStore
+from .model import Eagle3Config, Eagle3Drafter
+
+__all__ = ["TrainConfig", "TrainResult", "train_drafter"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    draft_vocab_size: int = 4096
+    ttt_steps: int = 7
+    epochs: int = 4
+    lr: float = 5e-4
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    batch_tokens: int = 4096
+    max_seq_len: int = 1024
+    seed: int = 0
+    checkpoint_every: int = 50
+    log_every: int = 10
+    device: str = "auto"
+    threads: int = 0
+
+    def digest(self) -> str:
+        d = asdict(self)
+        for k in ("checkpoint_every", "log_every", "device", "threads"):
+            d.pop(k)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    steps: int
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    final_step_acc: list[float]
+    final_loss: float
+    resumed_from_step: int
+
+
+def _batches(lengths: dict[str, int], batch_tokens: int, rng: random.Random) -> list[list[str]]:
+    """Length-sorted buckets up to ``batch_tokens`` padded tokens, in a seeded random order."""
+    ids = sorted(lengths, key=lambda i: (lengths[i], i))
+    out: list[list[str]] = []
+    cur: list[str] = []
+    width = 0
+    for i in ids:
+        w = max(width, lengths[i])
+        if cur and w * (len(cur) + 1) > batch_tokens:
+            out.append(cur)
+            cur, width = [], 0
+            w = lengths[i]
+        cur.append(i)
+        width = w
+    if cur:
+        out.append(cur)
+    rng.shuffle(out)
+    return out
+
+
+def _collate(samples: list[FeatureSample], t2d: torch.Tensor, lm_rows: torch.Tensor, device: torch.device,
+             dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    t = max(s.input_ids.shape[0] for s in samples)
+    b = len(samples)
+    feat = samples[0].aux.shape[-1]
+    aux = torch.zeros(b, t, feat, dtype=dtype)
+    ids = torch.zeros(b, t, dtype=torch.long)
+    final = torch.zeros(b, t, lm_rows.shape[1], dtype=torch.float32)
+    valid = torch.zeros(b, t, dtype=torch.bool)
+    for i, s in enumerate(samples):
+        n = s.input_ids.shape[0]
+        aux[i, :n] = s.aux.to(dtype)
+        ids[i, :n] = s.input_ids
+        final[i, :n] = s.final.float()
+        # position p predicts token p+1: trainable if that token is an assistant token and the target's
+        # choice there is representable in the draft vocabulary
+        v = torch.zeros(n, dtype=torch.bool)
+        v[: n - 1] = s.loss_mask[1:n] & t2d[s.target_argmax[: n - 1]]
+        valid[i, :n] = v
+    logits = final.to(device) @ lm_rows.to(device).T  # [B, T, Vd]
+    return aux.to(device), ids.to(device), logits, valid.to(device)
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def train_drafter(
+    store: FeatureStore,
+    train_ids: list[str],
+    target_config: dict[str, Any],
+    target_embed: torch.Tensor,
+    target_lm_head: torch.Tensor,
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    workdir: Path,
+    cfg: TrainConfig,
+    *,
+    stop_after_steps: int | None = None,
+) -> tuple[Eagle3Drafter, TrainResult]:
+    """Train on ``train_ids`` of ``store``; checkpoints live in ``workdir``. ``stop_after_steps`` ends
+    the run early (as a kill would) -- the resume tests use it."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if cfg.device == "auto" else cfg.device))
+    autocast = device.type == "cuda"
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    dcfg = Eagle3Config.for_target(target_config, cfg.draft_vocab_size, aux_layer_ids=store.layers
+                                   if store.layers != _default_layers(target_config) else None)
+    model = Eagle3Drafter(dcfg, target_embed.float())
+    model.set_vocab(d2t, t2d)
+    # the fc and midlayer start small; lm_head starts from the target's rows (a common warm start that
+    # makes step-0 predictions sensible from the first batch)
+    used = torch.nonzero(t2d, as_tuple=False).flatten()
+    with torch.no_grad():
+        model.lm_head.weight.copy_(target_lm_head[used].float())
+    model.to(device)
+    lm_rows = target_lm_head[used].float()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    samples = {s.id: s for s in store.samples(set(train_ids))}
+    lengths = {i: min(s.input_ids.shape[0], cfg.max_seq_len) for i, s in samples.items()}
+    if not samples:
+        raise ValueError("no training samples found in the feature store for the given ids")
+    rng = random.Random(cfg.seed)
+    epoch_batches = [_batches(lengths, cfg.batch_tokens, rng) for _ in range(cfg.epochs)]
+    total_steps = sum(len(e) for e in epoch_batches)
+
+    def lr_at(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return cfg.lr * (step + 1) / cfg.warmup_steps
+        prog = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, prog))))
+
+    state_path = workdir / "train_state.pt"
+    step = 0
+    tokens = 0
+    resumed = 0
+    if state_path.is_file():
+        st = torch.load(state_path, map_location="cpu", weights_only=False)
+        if st.get("config_digest") == cfg.digest() and st.get("train_ids") == sorted(train_ids):
+            model.load_state_dict(st["model"])
+            opt.load_state_dict(st["optim"])
+            step, tokens = int(st["step"]), int(st["tokens"])
+            random.setstate(st["py_rng"])
+            torch.set_rng_state(st["torch_rng"])
+            resumed = step
+            log(f"drafter training: resuming at step {step}/{total_steps} from {state_path}")
+        else:
+            log(f"drafter training: {state_path} belongs to another config or data; starting over")
+    flat = [(e, b) for e, bs in enumerate(epoch_batches) for b in bs]
+    t0 = time.monotonic()
+    tok0 = tokens
+    last_acc: list[float] = []
+    last_loss = float("nan")
+    win_loss, win_acc, win_n = 0.0, [0.0] * cfg.ttt_steps, 0
+
+    def save() -> None:
+        _atomic_save({"config_digest": cfg.digest(), "train_ids": sorted(train_ids), "model": model.state_dict(),
+                      "optim": opt.state_dict(), "step": step, "tokens": tokens, "py_rng": random.getstate(),
+                      "torch_rng": torch.get_rng_state()}, state_path)
+
+    log(f"drafter training: {len(samples)} samples, {sum(lengths.values())} tokens x {cfg.epochs} epochs, "
+        f"{total_steps} steps, TTT {cfg.ttt_steps}, draft vocab {cfg.draft_vocab_size}, device {device}")
+    model.train()
+    while step < total_steps:
+        epoch, batch_ids = flat[step]
+        batch = [_truncate(samples[i], cfg.max_seq_len) for i in batch_ids]
+        aux, ids, tlogits, valid = _collate(batch, t2d, lm_rows, device, torch.float32)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
+            out = model.ttt(aux, ids, tlogits, valid, cfg.ttt_steps)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        step += 1
+        tokens += int(sum(s.input_ids.shape[0] for s in batch))
+        last_loss = float(out.loss.detach())
+        last_acc = out.step_acc
+        win_loss += last_loss
+        win_acc = [a + (0.0 if math.isnan(b) else b) for a, b in zip(win_acc, out.step_acc)]
+        win_n += 1
+        if step % cfg.log_every == 0 or step == total_steps:
+            el = time.monotonic() - t0
+            accs = " ".join(f"{a / win_n:.2f}" for a in win_acc)
+            log(f"drafter training: step {step}/{total_steps} epoch {epoch + 1}/{cfg.epochs} loss {win_loss / win_n:.3f} "
+                f"top1/step [{accs}] lr {lr_at(step - 1):.2e} {(tokens - tok0) / max(el, 1e-9):.0f} tok/s")
+            win_loss, win_acc, win_n = 0.0, [0.0] * cfg.ttt_steps, 0
+        if step % cfg.checkpoint_every == 0 or step == total_steps:
+            save()
+        if stop_after_steps is not None and step - resumed >= stop_after_steps:
+            break
+    el = time.monotonic() - t0
+    model.eval()
+    return model.cpu(), TrainResult(steps=step, tokens=tokens, seconds=el, tokens_per_s=(tokens - tok0) / max(el, 1e-9),
+                                    final_step_acc=last_acc, final_loss=last_loss, resumed_from_step=resumed)
+
+
+def _truncate(s: FeatureSample, m: int) -> FeatureSample:
+    if s.input_ids.shape[0] <= m:
+        return s
+    return FeatureSample(s.id, s.input_ids[:m], s.loss_mask[:m], s.aux[:m], s.final[:m], s.target_argmax[:m])
+
+
+def _default_layers(c: dict[str, Any]) -> tuple[int, ...]:
+    n = int(c["num_hidden_layers"])
+    return (2, n // 2, n - 3)
