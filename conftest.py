@@ -4,4 +4,5 @@ pytest_plugins = [
     "fixtures.models",
     "fixtures.servers",
     "fixtures.workloads",
+    "fixtures.alignment",
 ]

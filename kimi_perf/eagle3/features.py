@@ -70,32 +70,15 @@ class FeatureSample:
 
 class _HFBackend:
     def __init__(self, model_dir: Path, layers: tuple[int, ...], dtype: torch.dtype, device: str) -> None:
-        import transformers
-        from transformers import AutoModelForCausalLM
+        from ..alignment.extract import HFExtractor
 
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+        self.x = HFExtractor(model_dir, dtype=str(dtype).replace("torch.", ""), device=device)
         self.layers = layers
-        self.device = device
-        self.version = f"transformers {transformers.__version__}"
-        self.n = self.model.config.num_hidden_layers
-        self._cap: dict[int, torch.Tensor] = {}
-        inner = self.model.model
-        for k in set(layers):
-            mod = inner.layers[k] if k < self.n else inner.norm  # entering layer N = input of the final norm
+        self.version = self.x.version
 
-            def hook(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any], _k: int = k) -> None:
-                x = args[0] if args else kwargs["hidden_states"]
-                self._cap[_k] = x.detach()
-
-            mod.register_forward_pre_hook(hook, with_kwargs=True)
-
-    @torch.inference_mode()
     def __call__(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        self._cap.clear()
-        x = torch.tensor([ids], device=self.device)
-        out = self.model(x, output_hidden_states=True, attention_mask=torch.ones_like(x))
-        aux = torch.cat([self._cap[k][0] for k in self.layers], dim=-1)
-        return aux, out.hidden_states[-1][0], out.logits[0].argmax(-1)
+        t, argmax = self.x(ids, [*self.layers, "final"])
+        return torch.cat([t[k] for k in self.layers], dim=-1), t["final"], argmax
 
 
 class _ReferenceBackend:

@@ -50,6 +50,9 @@ class TrainConfig:
     log_every: int = 10
     device: str = "auto"
     threads: int = 0
+    # "target": lm_head from the target's rows of the draft vocab (and norm from the target's final
+    # norm when given); "random": PyTorch's default init
+    init_lm_head: str = "random"
 
     def digest(self) -> str:
         d = asdict(self)
@@ -131,6 +134,7 @@ def train_drafter(
     workdir: Path,
     cfg: TrainConfig,
     *,
+    target_norm: torch.Tensor | None = None,
     stop_after_steps: int | None = None,
 ) -> tuple[Eagle3Drafter, TrainResult]:
     """Train on ``train_ids`` of ``store``; checkpoints live in ``workdir``. ``stop_after_steps`` ends
@@ -147,11 +151,16 @@ def train_drafter(
                                    if store.layers != _default_layers(target_config) else None)
     model = Eagle3Drafter(dcfg, target_embed.float())
     model.set_vocab(d2t, t2d)
-    # the fc and midlayer start small; lm_head starts from the target's rows (a common warm start that
-    # makes step-0 predictions sensible from the first batch)
     used = torch.nonzero(t2d, as_tuple=False).flatten()
-    with torch.no_grad():
-        model.lm_head.weight.copy_(target_lm_head[used].float())
+    if cfg.init_lm_head == "target":
+        # warm start: the drafter's output hidden lives in the target's final-hidden space, so its
+        # vocabulary projection (and final norm) start as the target's
+        with torch.no_grad():
+            model.lm_head.weight.copy_(target_lm_head[used].float())
+            if target_norm is not None:
+                model.norm.weight.copy_(target_norm.float())
+    elif cfg.init_lm_head != "random":
+        raise ValueError(f"init_lm_head {cfg.init_lm_head!r}: use 'target' or 'random'")
     model.to(device)
     lm_rows = target_lm_head[used].float()
     params = list(model.parameters())

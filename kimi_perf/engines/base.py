@@ -75,7 +75,7 @@ class ReferenceEngineConfig(EngineConfig):
     spec: SpecConfig | None = None
     return_hidden_states: bool = False
     aux_hidden_states: bool = False
-    aux_layer_ids: tuple[int, ...] | None = None
+    aux_layer_ids: tuple[int | str, ...] | None = None  # "final" = final-norm output
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 128
 

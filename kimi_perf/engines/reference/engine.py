@@ -121,7 +121,7 @@ class Engine:
         eos_token_ids: set[int],
         max_running: int,
         max_prefill_tokens: int = 4096,
-        hidden_layers: tuple[int, ...] = (),
+        hidden_layers: tuple[int | str, ...] = (),
         hidden_final_norm: bool = True,
         drafter: Any | None = None,
         spec_steps: int = 0,
@@ -280,12 +280,14 @@ class Engine:
         if self.drafter is not None:
             layers |= set(self.drafter.aux_layers)
         if want:
-            layers |= set(self.hidden_layers)
-        return CaptureSpec(layers=tuple(sorted(layers)), final_norm=want and self.hidden_final_norm)
+            layers |= {k for k in self.hidden_layers if isinstance(k, int)}
+        final = want and (self.hidden_final_norm or "final" in self.hidden_layers)
+        return CaptureSpec(layers=tuple(sorted(layers)), final_norm=final)
 
     def _hidden_rows(self, out_hidden: dict[Any, torch.Tensor], b: int, n: int) -> torch.Tensor:
         """Rows [n, D] of one batch row in the response layout: the final norm output, or the
-        requested aux layers concatenated (SGLang's aux mode)."""
+        requested aux layers concatenated (SGLang's aux mode; "final" = the final norm output, an
+        extension of the reference engine so one server serves every alignment comparison)."""
         if self.hidden_final_norm:
             return out_hidden["final"][b, :n].float().cpu()
         return torch.cat([out_hidden[k][b, :n] for k in self.hidden_layers], dim=-1).float().cpu()
@@ -336,7 +338,7 @@ class Engine:
             time.sleep(self._plant_s)
         tokens = torch.tensor([[s.next_token] for s in seqs], dtype=torch.long, device=r.device)
         cap = self._capture_for(seqs)
-        logits_mode = "all" if cap.final_norm else "last"
+        logits_mode = "all" if cap.final_norm else "last"  # q=1: "all" is one row, same cost
         out = r.forward(0, tokens, [s.cache_len for s in seqs], [1] * len(seqs), capture=cap, logits=logits_mode)
         assert out.logits is not None
         lg = out.logits if logits_mode == "last" else out.logits[:, 0, :]

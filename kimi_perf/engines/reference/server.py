@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-return-aux-hidden-states", action="store_true",
                    help="return_hidden_states rows are the aux layers concatenated (SGLang 0.5.23 aux mode)")
     p.add_argument("--return-aux-hidden-state-layer-ids", default=None,
-                   help="comma-separated ids k: residual stream entering layer k (default 2,N//2,N-3)")
+                   help="comma-separated ids k: residual stream entering layer k (default 2,N//2,N-3); "
+                        "'final' adds the final-norm output (reference-engine extension)")
     p.add_argument("--speculative-algorithm", default=None, choices=[None, "EAGLE3"])
     p.add_argument("--speculative-draft-model-path", default=None)
     p.add_argument("--speculative-num-steps", type=int, default=3)
@@ -122,7 +123,7 @@ class ReferenceServer:
         self.pending: dict[int, Pending] = {}
         self.started = time.time()
         self.info: dict[str, Any] = {}
-        self.aux_ids: tuple[int, ...] = ()
+        self.aux_ids: tuple[int | str, ...] = ()
 
     # -- loading ------------------------------------------------------------------------------
 
@@ -163,12 +164,13 @@ class ReferenceServer:
         self.vocab_size = runner.shape.vocab_size
         n = runner.shape.num_layers
         if a.return_aux_hidden_state_layer_ids:
-            self.aux_ids = tuple(int(x) for x in a.return_aux_hidden_state_layer_ids.split(","))
+            self.aux_ids = tuple(x.strip() if x.strip() == "final" else int(x)
+                                 for x in a.return_aux_hidden_state_layer_ids.split(","))
         else:
             self.aux_ids = runner.shape.eagle3_aux_layers
-        bad = [k for k in self.aux_ids if not 0 <= k <= n]
+        bad = [k for k in self.aux_ids if k != "final" and not 0 <= int(k) <= n]
         if bad:
-            raise ValueError(f"--return-aux-hidden-state-layer-ids {bad}: ids must be in [0, {n}]")
+            raise ValueError(f"--return-aux-hidden-state-layer-ids {bad}: ids must be in [0, {n}] or 'final'")
         drafter = None
         if a.speculative_algorithm:
             from ...eagle3.runtime import DrafterRuntime
