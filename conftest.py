@@ -5,4 +5,5 @@ pytest_plugins = [
     "fixtures.servers",
     "fixtures.workloads",
     "fixtures.alignment",
+    "fixtures.drafters",
 ]

@@ -173,7 +173,7 @@ def check_alignment(
             v.candidates = cands
             base = next((x for x in cands if x.cause == "none"), None)
             best = cands[0] if cands else None
-            why = (f"cos min {c.cos_min:.4f} (p1 {c.cos_p1:.4f}, mean {c.cos_mean:.4f}) < threshold {threshold:.4f}"
+            why = (f"cos min {c.cos_min:.4f} (p1 {c.cos_p1:.4f}, mean {c.cos_mean:.4f}) < threshold {threshold:.6f}"
                    if c.cos_min < threshold else
                    f"cos min {c.cos_min:.4f} passes but norm ratio {c.norm_ratio_median:.3f} is off by more than "
                    f"{norm_ratio_tol:.3f}")
@@ -218,3 +218,46 @@ def heatmap_png(report: AlignmentReport, path: str, *, max_tokens: int = 256) ->
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def check_served_layers(
+    stored: HiddenStates,
+    inference: HiddenStates,
+    trained: Sequence[int],
+    served: Sequence[int],
+    *,
+    threshold: float,
+    norm_ratio_tol: float,
+) -> AlignmentReport:
+    """The features a drafter was trained on (``stored``, layers ``trained``) against what a serving
+    engine actually feeds it (``inference`` layer ``served[i]`` for ``trained[i]``). ``inference`` must
+    hold neighbouring layers too, so a mismatch can be located."""
+    n = min(len(stored.token_ids), len(inference.token_ids))
+    if stored.token_ids[:n] != inference.token_ids[:n]:
+        raise AlignmentError("stored features and the inference pass cover different tokens")
+    verdicts = []
+    for k, sv in zip(trained, served):
+        c = compare_layer(stored.get(k)[:n], inference.get(sv)[:n], layer=f"{k}->{sv}")
+        norm_ok = abs(c.norm_ratio_median - 1.0) <= norm_ratio_tol
+        v = LayerVerdict(layer=k, comparison=c, ok=c.cos_min >= threshold and norm_ok, threshold=threshold, norm_ok=norm_ok)
+        if not v.ok:
+            best_j, best = None, -2.0
+            for j, arr in inference.layers.items():
+                if isinstance(j, int):
+                    m = compare_layer(stored.get(k)[:n], arr[:n]).cos_mean
+                    if m > best:
+                        best_j, best = j, m
+            if best_j is not None and best_j != sv and best > c.cos_mean:
+                d = best_j - sv
+                kind = "off-by-one" if abs(d) == 1 else f"off-by-{abs(d)}"
+                v.cause = (f"{kind} layer id: the checkpoint's aux-layer ids are read in another engine's "
+                           f"convention (serving feeds layer {sv}, training used layer {best_j})")
+                v.message = (f"drafter trained on layer {k} features, the serving path feeds layer {sv} "
+                             f"(cos mean {c.cos_mean:.4f}, min {c.cos_min:.4f}); stored layer {k} matches inference "
+                             f"layer {best_j} (cos {best:.4f} vs {c.cos_mean:.4f}): {v.cause}")
+            else:
+                v.cause = "unexplained mismatch"
+                v.message = f"layer {k} -> served {sv}: cos min {c.cos_min:.4f} < {threshold:.4f}; {v.cause}"
+        verdicts.append(v)
+    return AlignmentReport(pair=f"{stored.provenance.backend} vs {inference.provenance.backend} (as served)",
+                           verdicts=verdicts)

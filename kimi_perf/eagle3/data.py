@@ -38,10 +38,21 @@ class DataConfig:
     responses_per_prompt: int = 1  # >1 adds temperature-sampled variants (seeded) of each prompt
     sample_temperature: float = 0.8
     max_train_items: int | None = None  # cap for fast runs (CI); None = all
+    # held-out items are only needed for evaluation and the stored-vs-live alignment check
+    heldout_sources: tuple[str, ...] = ("mtbench",)
+    heldout_first_turn_only: bool = True
+    max_heldout_items: int | None = None
     concurrency: int = 16
 
     def digest(self) -> str:
+        """Identity of the selected dataset (which items, how generated)."""
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+    def generation_digest(self) -> str:
+        """Identity of *how* a sample is generated. Samples are stored under this key, so growing or
+        shrinking the selection (sources, caps, variants) reuses every sample already made."""
+        d = {k: getattr(self, k) for k in ("max_new_tokens", "max_prompt_tokens", "sample_temperature")}
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,11 @@ def build_items(cfg: DataConfig) -> list[PromptItem]:
             for v in range(cfg.responses_per_prompt if split == "train" else 1):
                 items.append(PromptItem(id=f"{c.id}-t{t}" + (f"-r{v}" if v else ""), conv_id=c.id, source=c.source,
                                         split=split, turn=t, turns=c.turns[:t], variant=v))
+    held = [i for i in items if i.split == "heldout" and i.source in cfg.heldout_sources
+            and (i.turn == 1 or not cfg.heldout_first_turn_only)]
+    if cfg.max_heldout_items is not None:
+        held = held[: cfg.max_heldout_items]
+    items = [i for i in items if i.split == "train"] + held
     if cfg.max_train_items is not None:
         train = [i for i in items if i.split == "train"]
         keep_convs = []
@@ -175,7 +191,7 @@ async def _generate_one(session: Any, url: str, ids: list[int], cfg: DataConfig,
 
 
 def generate_samples(
-    base_url: str,
+    base_url: str | Callable[[], str],
     tokenizer: Any,
     items: Sequence[PromptItem],
     out_path: Path,
@@ -183,13 +199,16 @@ def generate_samples(
     *,
     decode: Callable[[list[int]], str] | None = None,
 ) -> dict[str, Sample]:
-    """Generate the missing samples through ``base_url``'s SGLang-style ``/generate``; return all."""
+    """Generate the missing samples through ``base_url``'s SGLang-style ``/generate``; return all.
+    ``base_url`` may be a callable, called only when something is missing (it may start a server)."""
     done = read_samples(out_path)
     decode = decode or (lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     todo = [i for i in items if i.id not in done]
     if not todo:
         log(f"drafter data: all {len(items)} samples present in {out_path}")
         return {i.id: done[i.id] for i in items if i.id in done}
+    if callable(base_url):
+        base_url = base_url()
     log(f"drafter data: {len(done)} samples reused, {len(todo)} to generate via {base_url} -> {out_path}")
 
     async def run() -> None:
@@ -197,7 +216,7 @@ def generate_samples(
 
         import aiohttp
 
-        url = base_url.rstrip("/") + "/generate"
+        url = str(base_url).rstrip("/") + "/generate"
         app = _Appender(out_path)
         t0 = time.monotonic()
         made = 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,14 +90,16 @@ def build_drafter(
     target_dir: Path,
     target_fingerprint: str,
     *,
-    gen_url: str,
+    gen_url: str | Callable[[], str],
     tokenizer: Any,
     root: Path | None = None,
 ) -> DrafterArtifact:
     root = (root or cache_root()) / "eagle3" / target_fingerprint
-    data_dir = root / f"data-{recipe.data.digest()}"
+    # samples and features are shared by every selection with the same generation settings / spec;
+    # the drafter is specific to the selection and the training config
+    data_dir = root / f"gen-{recipe.data.generation_digest()}"
     feat_dir = data_dir / f"features-{recipe.features.digest()}"
-    work = feat_dir / f"drafter-{recipe.train.digest()}"
+    work = feat_dir / f"drafter-{recipe.data.digest()}-{recipe.train.digest()}"
     out = work / "drafter"
     with file_lock(root / ".pipeline.lock", what="building an EAGLE-3 drafter"):
         if (out / "COMPLETE").is_file():
