@@ -242,3 +242,52 @@ class BaselineStore:
         atomic_write_json(self.path, data)
         _, self.entries = load_file(self.path)
         return self.path
+
+
+def _cli(argv: list[str] | None = None) -> int:
+    """``python -m kimi_perf.baselines keys|add``: list a profile's keys, or record an *externally
+    measured* figure (another team's run, a vendor number) with its source, as a one-sample entry.
+    Figures measured by this suite are recorded with ``pytest --perf-update-baselines`` instead."""
+    import argparse
+    import time as _time
+    from pathlib import Path as _P
+
+    from .metrics import METRICS as _M
+    from .profiles import load_profile
+
+    ap = argparse.ArgumentParser(prog="python -m kimi_perf.baselines")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    k = sub.add_parser("keys", help="print the throughput keys a profile's tests use")
+    k.add_argument("--profile", required=True)
+    a = sub.add_parser("add", help="add an externally measured figure")
+    for f in ("profile", "scenario", "engine", "model", "hardware", "workload", "source"):
+        a.add_argument(f"--{f}", required=True)
+    a.add_argument("--concurrency", type=int, required=True)
+    a.add_argument("--metric", action="append", required=True, help="NAME=VALUE[,VALUE...]")
+    a.add_argument("--engine-version", default=None)
+    a.add_argument("--dir", default="baselines")
+    ns = ap.parse_args(argv)
+    prof = load_profile(_P("profiles") / f"{ns.profile}.json")
+    if ns.cmd == "keys":
+        tp = prof.throughput
+        if tp is None:
+            return 0
+        print(f"single_stream concurrency=1 workload={tp.single_stream.key}")
+        for c in tp.concurrency:
+            print(f"throughput_sweep concurrency={c} workload={tp.sweep_workload(c).key}")
+        return 0
+    metrics = {}
+    for m in ns.metric:
+        name, _, vals = m.partition("=")
+        d = _M[name]
+        metrics[name] = MetricSamples(d.unit, d.direction, tuple(float(v) for v in vals.split(",")))
+    entry = BaselineEntry(key=BaselineKey(ns.scenario, ns.engine, ns.model, ns.hardware, ns.workload, ns.concurrency),
+                          metrics=metrics, engine_version=ns.engine_version,
+                          recorded_at=_time.strftime("%Y-%m-%dT%H:%M:%SZ", _time.gmtime()), source=ns.source)
+    store = BaselineStore(_P(ns.dir) / f"{prof.name}.json", prof.name)
+    print(store.write([entry]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_cli())

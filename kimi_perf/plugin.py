@@ -139,9 +139,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--perf-drafter", default=None, metavar="PATH",
                 help="use this EAGLE-3 drafter checkpoint instead of training one")
     g.addoption("--perf-vllm-python", default=None, metavar="PATH",
-                help="python interpreter of the environment that has vLLM (env KIMI_PERF_VLLM_PYTHON)")
+                help="python interpreter of the environment that has vLLM (env KIMI_PERF_VLLM_PYTHON; default "
+                     ".venv-vllm/bin/python when scripts/setup.sh made it)")
     g.addoption("--perf-sglang-python", default=None, metavar="PATH",
-                help="python interpreter of the environment that has SGLang (env KIMI_PERF_SGLANG_PYTHON)")
+                help="python interpreter of the environment that has SGLang (env KIMI_PERF_SGLANG_PYTHON; default "
+                     ".venv-sglang/bin/python when present)")
     for name, help_, default in _INI:
         parser.addini(name, help_, default=default)
 
@@ -195,14 +197,20 @@ def pytest_configure(config: pytest.Config) -> None:
         report_dir = rootdir / report_dir
     gpus = gpu_info()
     json_opt = config.getoption("--perf-json")
-    pythons = {
-        "vllm": config.getoption("--perf-vllm-python") or os.environ.get("KIMI_PERF_VLLM_PYTHON", ""),
-        "sglang": config.getoption("--perf-sglang-python") or os.environ.get("KIMI_PERF_SGLANG_PYTHON", ""),
-    }
+    pythons = {}
+    for eng in ("vllm", "sglang"):
+        # flag, then env, then the venv scripts/setup.sh creates beside the checkout
+        cand = (config.getoption(f"--perf-{eng}-python") or os.environ.get(f"KIMI_PERF_{eng.upper()}_PYTHON", "")
+                or (str(rootdir / f".venv-{eng}" / "bin" / "python")
+                    if (rootdir / f".venv-{eng}" / "bin" / "python").exists() else ""))
+        if cand and not Path(cand).exists():
+            raise pytest.UsageError(f"--perf-{eng}-python / KIMI_PERF_{eng.upper()}_PYTHON: {cand} does not exist")
+        pythons[eng] = cand
     config.stash[SESSION_KEY] = PerfSession(
         config=config, profile=profile, store=store, report_dir=report_dir,
         repeats=repeats or profile.repeats, update=bool(config.getoption("--perf-update-baselines")),
-        engines=engines, hardware=hardware_key(gpus, use_gpu=profile.hardware == "cuda"), rootdir=rootdir,
+        engines=engines, hardware=profile.hardware_key(hardware_key(gpus, use_gpu=profile.hardware == "cuda"), gpus),
+        rootdir=rootdir,
         json_path=Path(json_opt) if json_opt else None, server_timeout_s=timeout,
         model_override=config.getoption("--perf-model"), drafter_path=config.getoption("--perf-drafter"),
         engine_pythons={k: v for k, v in pythons.items() if v}, gpus=gpus,
@@ -249,6 +257,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         kinds = getattr(metafunc.function, "perf_engine_kinds", None)
         names = [e for e in s.engines if kinds is None or s.profile.engines[e]["kind"] in kinds]
         metafunc.parametrize("perf_engine_name", names, ids=names, scope="session")
+    if "perf_nccl_preset" in metafunc.fixturenames:
+        presets = list(s.profile.nccl.get("presets", []))[1:]  # the first is the reference of the A/B
+        ids = [f"{p}-vs-{s.profile.nccl['presets'][0]}" for p in presets]
+        metafunc.parametrize("perf_nccl_preset", presets or [None], ids=ids or ["no-presets"])
+    if "perf_nccl_concurrency" in metafunc.fixturenames:
+        conc = list(s.profile.nccl.get("concurrency", [1]))
+        metafunc.parametrize("perf_nccl_concurrency", conc, ids=[f"c{c}" for c in conc])
     if "perf_concurrency" in metafunc.fixturenames:
         conc = s.profile.throughput.concurrency if s.profile.throughput else (1,)
         metafunc.parametrize("perf_concurrency", list(conc), ids=[f"c{c}" for c in conc])
@@ -259,13 +274,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if s is None:
         return
     need = s.profile.min_gpus if s.profile.hardware == "cuda" else 0
+    missing = []
+    if len(s.gpus) < need:
+        missing.append(f"{need} CUDA GPU(s) (this machine has {len(s.gpus)})")
+    m = s.profile.model
+    if m.source == "path" and not s.model_override and not (Path(m.path or "") / "config.json").is_file():
+        missing.append(f"model {m.name} at {m.path} (or --perf-model PATH)")
     for item in items:
-        if item.get_closest_marker("gpu") is not None and not s.gpus:
+        if item.get_closest_marker("perf") is not None and missing:
+            item.add_marker(pytest.mark.skip(reason=f"profile {s.profile.name} needs " + " and ".join(missing)))
+        elif item.get_closest_marker("gpu") is not None and not s.gpus:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; nvidia-smi lists none on this machine"))
-        elif item.get_closest_marker("perf") is not None and len(s.gpus) < need:
-            item.add_marker(pytest.mark.skip(
-                reason=f"profile {s.profile.name} needs {need} CUDA GPU(s) ({s.profile.description.split('.')[0]}); "
-                       f"this machine has {len(s.gpus)}"))
 
 
 # -- recording and gating -------------------------------------------------------------------------

@@ -91,10 +91,23 @@ class Profile:
     alignment: Mapping[str, Any] = field(default_factory=dict)
     nccl: Mapping[str, Any] = field(default_factory=dict)
     sources: Mapping[str, str] = field(default_factory=dict)
+    # pin the baseline hardware key when the detected machine matches (GPU product names vary by SKU
+    # and driver: "RTX PRO 6000 Blackwell Server Edition" vs "... Workstation Edition")
+    hardware_match: Mapping[str, Any] = field(default_factory=dict)
+
+    def hardware_key(self, detected_key: str, gpus: list[dict[str, str]]) -> str:
+        m = self.hardware_match
+        if not m:
+            return detected_key
+        want = str(m.get("gpu_name_contains", "")).lower()
+        n = int(m.get("count", len(gpus)))
+        if gpus and len(gpus) == n and all(want in g["name"].lower() for g in gpus):
+            return str(m["key"])
+        return detected_key
 
 
 _TOP = {"name", "description", "hardware", "min_gpus", "model", "engines", "default_engines", "repeats",
-        "throughput", "gate", "eagle3", "alignment", "nccl", "sources"}
+        "throughput", "gate", "eagle3", "alignment", "nccl", "sources", "hardware_match"}
 
 
 def _e(path: Path, key: str, problem: str, fix: str) -> ProfileError:
@@ -204,6 +217,9 @@ def load_profile(path: Path) -> Profile:
     for k in floors:
         if k not in METRICS:
             raise _e(path, f"gate.floors.{k}", "unknown metric", f"use one of: {', '.join(sorted(METRICS))}")
+    hm = raw.get("hardware_match", {})
+    if hm and (not isinstance(hm, dict) or set(hm) - {"gpu_name_contains", "count", "key"} or "key" not in hm):
+        raise _e(path, "hardware_match", f"{hm!r}", '{"gpu_name_contains": "H200", "count": 1, "key": "gpu-h200-x1"}')
     for section in ("eagle3", "alignment", "nccl", "sources"):
         if section in raw and not isinstance(raw[section], dict):
             raise _e(path, section, "must be an object", "see profiles/embedded-cpu.json")
@@ -212,6 +228,7 @@ def load_profile(path: Path) -> Profile:
         model=model, engines=engines, default_engines=tuple(default), repeats=repeats, throughput=tp,
         gate=GateSpec(gcfg, {k: float(v) for k, v in floors.items()}), eagle3=raw.get("eagle3", {}),
         alignment=raw.get("alignment", {}), nccl=raw.get("nccl", {}), sources=raw.get("sources", {}),
+        hardware_match=hm,
     )
 
 

@@ -140,3 +140,51 @@ def test_planted_fault_is_caught_with_its_cause(alignment, fault, dtype):
         rep.raise_if_failed()
     log(f"planted {fault} [{dtype}]: " + str(ei.value).replace("\n", " |"))
     assert cause in str(ei.value), f"the {fault} fault was caught but its cause was misnamed: {ei.value}"
+
+
+def test_vllm_extraction_vs_hf_and_reference(alignment, perf_session, server_pool, perf_gate):
+    """vLLM's extract_hidden_states path (CPU-safe connector) against transformers offline and the
+    reference engine, on the tokens vLLM generated. vLLM's last layer is *pre*-final-norm: it must
+    match the other paths' pre-norm layer N, and the diagnosis must say so if compared with 'final'."""
+    if "vllm" not in perf_session.profile.engines:
+        pytest.skip(f"profile {perf_session.profile.name} has no vllm engine")
+    import tempfile
+
+    from fixtures.servers import engine_config
+    from kimi_perf.alignment.extract import server_hidden_states, vllm_hidden_states
+
+    st = alignment.st
+    layers = [k for k in st.layers if isinstance(k, int)]  # [2, N//2, N-3, N]
+    out_dir = tempfile.mkdtemp(prefix="kimi-perf-vllm-hs-")
+    cfg = engine_config(perf_session, "vllm", alignment.target, extract_hidden_layers=tuple(layers), extract_dir=out_dir)
+    srv = server_pool.get(cfg)
+    got = vllm_hidden_states(srv.base_url, srv.model, alignment.prompts(), st.max_new_tokens, layers=layers)
+    server_pool.stop(cfg)
+    hf = alignment.hf("bfloat16")
+    ref_srv = alignment.server("bfloat16")
+    worst = {}
+    for v in got:
+        ext = hf.hidden_states(v.token_ids, [*layers, "final"])
+        ref = server_hidden_states(ref_srv.base_url, [list(v.token_ids)], 1, hidden=st.hidden)[0]
+        for name, other in (("hf-offline", ext), ("reference-inference", ref)):
+            thr = min(alignment.threshold("bfloat16", k)[0] for k in layers)
+            rep = check_alignment(v, other, layers, threshold=thr, norm_ratio_tol=0.03,
+                                  final_norm_weight=hf.final_norm_weight, num_layers=st.num_layers)
+            if name not in worst or min(x.comparison.cos_min for x in rep.verdicts) < min(
+                    x.comparison.cos_min for x in worst[name].verdicts):
+                worst[name] = rep
+        # vLLM's layer N compared with a post-norm 'final' must be diagnosed as the norm difference
+        mixed = type(v)({**v.layers, "final": v.layers[st.num_layers]}, v.token_ids, v.provenance)
+        rep = check_alignment(mixed, ext, ["final"], threshold=0.99, norm_ratio_tol=0.03,
+                              final_norm_weight=hf.final_norm_weight, num_layers=st.num_layers)
+        assert not rep.ok and "norm" in (rep.verdicts[0].cause or ""), rep.verdicts[0].message
+    for name, rep in worst.items():
+        perf_gate.check(scenario="alignment_vllm_vs_" + name.replace("-", "_"), engine="vllm",
+                        model=alignment.target.name, workload="bfloat16:eagle3-layers+N", concurrency=1,
+                        samples={"cosine_min": [x.comparison.cos_min for x in rep.verdicts],
+                                 "cosine_mean": [x.comparison.cos_mean for x in rep.verdicts]},
+                        gated=[], extra={"markdown": rep.markdown()})
+        log(f"alignment vLLM vs {name}: " + ", ".join(f"layer {x.layer} cos min {x.comparison.cos_min:.5f}"
+                                                       for x in rep.verdicts))
+    for rep in worst.values():
+        rep.raise_if_failed()

@@ -32,9 +32,11 @@ def eagle3_ab(perf_session, target_model, server_pool, eagle3_drafter):
     """Plain and speculative servers, same prompts, interleaved repeats at concurrency 1."""
     max_new, _, _ = _eval(perf_session)
     prompts = [list(p) for p in eagle3_drafter.eval_prompts]
-    cfgs = {"plain": engine_config(perf_session, "reference", target_model, max_running_requests=4),
+    eng = _engine(perf_session)
+    small = {"max_running_requests": 4} if perf_session.profile.engines.get(eng, {}).get("kind") == "reference" else {}
+    cfgs = {"plain": engine_config(perf_session, eng, target_model, **small),
             "spec": spec_engine_config(perf_session, target_model, eagle3_drafter.path, eagle3_drafter.steps,
-                                       max_running_requests=4)}
+                                       engine=eng, **small)}
     out = {"plain": [], "spec": [], "versions": {}}
     for r in range(perf_session.repeats):
         for name, cfg in cfgs.items():
@@ -49,6 +51,11 @@ def eagle3_ab(perf_session, target_model, server_pool, eagle3_drafter):
     return out
 
 
+def _engine(perf_session):
+    """The engine the profile measures EAGLE-3 on (the reference engine on CPU, SGLang on the Kimi rig)."""
+    return str(perf_session.profile.eagle3.get("engine", "reference"))
+
+
 def _workload(perf_session, drafter):
     max_new, _, _ = _eval(perf_session)
     return f"mtbench-heldout-{len(drafter.eval_prompts)}x{max_new}-k{drafter.steps}"
@@ -57,13 +64,16 @@ def _workload(perf_session, drafter):
 def test_acceptance(eagle3_ab, eagle3_drafter, perf_gate, perf_session, target_model):
     """Accept length and per-position acceptance of the drafter on held-out MT-bench prompts."""
     spec = eagle3_ab["spec"]
-    if any(r.counters is None for r in spec):
-        pytest.fail("the speculative server exports no vllm:spec_decode_* counters; acceptance cannot be read")
-    if all(r.counters.accepted == 0 for r in spec):
-        pytest.fail(f"accept length 1.00 over {sum(r.counters.drafts for r in spec):.0f} drafts: {WIRING_HINT}")
-    samples = {"accept_length": [r.accept_length for r in spec], "accept_rate": [r.accept_rate for r in spec]}
-    for i in range(min(4, eagle3_drafter.steps)):
-        samples[f"accept_rate_pos{i}"] = [r.pos_rates()[i] for r in spec]
+    if any(r.counters is None and r.server_accept_length is None for r in spec):
+        pytest.fail("the speculative server reports acceptance neither as vllm:spec_decode_* counters nor in "
+                    "/server_info internal_states: acceptance cannot be read")
+    if all(abs(r.accept_length - 1.0) < 1e-9 for r in spec):
+        pytest.fail(f"accept length 1.00 on every repeat: {WIRING_HINT}")
+    samples = {"accept_length": [r.accept_length for r in spec]}
+    if all(r.counters is not None for r in spec):  # per-position rates need the counters
+        samples["accept_rate"] = [r.accept_rate for r in spec]
+        for i in range(min(4, eagle3_drafter.steps)):
+            samples[f"accept_rate_pos{i}"] = [r.pos_rates()[i] for r in spec]
     rep = eagle3_drafter.report
     extra = {"drafter": str(eagle3_drafter.path), "train": rep.get("train"), "data": {
         k: v for k, v in (rep.get("data") or {}).items() if k not in ("train_ids", "heldout_ids")}}
@@ -82,7 +92,7 @@ def test_speedup_vs_no_spec(eagle3_ab, eagle3_drafter, perf_gate, perf_session, 
     ratios = [s.output_tok_s / p.output_tok_s for s, p in zip(eagle3_ab["spec"], eagle3_ab["plain"])]
     same = sum(a == b for s, p in zip(eagle3_ab["spec"], eagle3_ab["plain"]) for a, b in zip(s.texts, p.texts))
     total = sum(len(s.texts) for s in eagle3_ab["spec"])
-    perf_gate.check(scenario="eagle3_speedup", engine="reference", model=target_model.name,
+    perf_gate.check(scenario="eagle3_speedup", engine=_engine(perf_session), model=target_model.name,
                     workload=_workload(perf_session, eagle3_drafter), concurrency=1, samples={"spec_speedup": ratios},
                     gated=["spec_speedup"], engine_version=eagle3_ab["versions"].get("spec"),
                     extra={"plain_tok_s": [p.output_tok_s for p in eagle3_ab["plain"]],
@@ -197,3 +207,34 @@ def test_layer_mismatch_collapses_acceptance_and_is_named(eagle3_ab, eagle3_draf
     assert ratio < max_ratio, (
         f"serving layers {list(served)} instead of {list(trained)}: accepted drafts per step should fall below "
         f"{max_ratio:.2f}x of the correctly served drafter's; got {res.accept_length:.3f} vs {good:.3f} (x{ratio:.3f})")
+
+
+def test_acceptance_in_vllm(eagle3_drafter, eagle3_ab, perf_session, target_model, server_pool, perf_gate):
+    """The suite's drafter served by real vLLM (its eagle3 loader, its counters), next to the
+    reference engine's numbers for the same drafter and prompts."""
+    if "vllm" not in perf_session.profile.engines:
+        pytest.skip(f"profile {perf_session.profile.name} has no vllm engine")
+    from kimi_perf.engines.base import SpecConfig
+
+    cfg = engine_config(perf_session, "vllm", target_model,
+                        spec=SpecConfig(draft_model_path=str(eagle3_drafter.path), steps=eagle3_drafter.steps))
+    max_new, _, _ = _eval(perf_session)
+    srv = server_pool.get(cfg, exclusive=True)
+    res = measure_generation(srv.base_url, srv.model, [list(p) for p in eagle3_drafter.eval_prompts], max_new,
+                             name="eagle3-vllm")
+    server_pool.stop(cfg)
+    if res.counters is None:
+        pytest.fail("vLLM exported no vllm:spec_decode_* counters: was --speculative-config applied?")
+    if res.counters.accepted == 0:
+        pytest.fail(f"vLLM accepted no draft token over {res.counters.drafts:.0f} drafts: {WIRING_HINT}")
+    ref = eagle3_ab["spec"][0]
+    samples = {"accept_length": [res.accept_length], "accept_rate": [res.accept_rate]}
+    for i, r in enumerate(res.pos_rates()[:4]):
+        samples[f"accept_rate_pos{i}"] = [r]
+    table = ("| engine | accept length | accept rate | pos0 | pos1 | pos2 |\n|---|---|---|---|---|---|\n"
+             + "\n".join(f"| {n} | {r.accept_length:.3f} | {r.accept_rate:.3f} | "
+                         + " | ".join(f"{x:.3f}" for x in r.pos_rates()[:3]) + " |" for n, r in (("reference", ref), ("vllm", res))))
+    log("eagle3 same drafter, two engines:\n" + table)
+    perf_gate.check(scenario="eagle3_acceptance", engine="vllm", model=target_model.name,
+                    workload=_workload(perf_session, eagle3_drafter), concurrency=1, samples=samples,
+                    gated=["accept_length"], engine_version=srv.version, extra={"markdown": table})

@@ -15,6 +15,7 @@ Speed is measured by the suite's streaming client at concurrency 1.
 
 from __future__ import annotations
 
+import json
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -74,11 +75,14 @@ class AcceptanceResult:
     texts: tuple[str, ...]
     completion_tokens: int
     extra: dict[str, Any] = field(default_factory=dict)
+    server_accept_length: float | None = None  # SGLang /server_info window (its definition, bonus incl.)
 
     @property
     def accept_length(self) -> float:
         c = self.counters
-        return float("nan") if c is None or c.drafts <= 0 else 1.0 + c.accepted / c.drafts
+        if c is None or c.drafts <= 0:
+            return self.server_accept_length if self.server_accept_length is not None else float("nan")
+        return 1.0 + c.accepted / c.drafts
 
     @property
     def accept_rate(self) -> float:
@@ -110,5 +114,14 @@ def measure_generation(base_url: str, model: str, prompts: Sequence[Sequence[int
         raise RuntimeError(f"{name}: {int(res.metrics['num_failed'])} requests failed: {res.errors[:3]}")
     after = read_spec_counters(base_url)
     delta = after - before if (after is not None and before is not None) else None
+    server_len = None
+    if delta is None:  # SGLang: the window since /flush_cache, from /server_info
+        from ..engines.sglang import server_info_accept_length
+
+        try:
+            with urllib.request.urlopen(base_url.rstrip("/") + "/server_info", timeout=30) as r:  # noqa: S310
+                server_len = server_info_accept_length(json.loads(r.read()))
+        except OSError:
+            server_len = None
     return AcceptanceResult(delta, res.metrics["output_throughput"], tuple(r.text for r in res.records),
-                            int(res.metrics["total_output_tokens"]))
+                            int(res.metrics["total_output_tokens"]), server_accept_length=server_len)

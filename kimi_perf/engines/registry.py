@@ -56,8 +56,8 @@ def build_engine_config(name: str, raw: Mapping[str, Any], *, model_path: str, s
         elif k == "env" and isinstance(v, Mapping):
             v = tuple(sorted((str(a), str(b)) for a, b in v.items()))
         values[k] = v
-    values.update(name=name, model_path=model_path, served_model_name=served_model_name,
-                  ready_timeout_s=ready_timeout_s)
+    values.update(name=name, model_path=model_path, served_model_name=served_model_name)
+    values.setdefault("ready_timeout_s", ready_timeout_s)  # a profile's own timeout wins
     if python:
         values["python"] = python
     try:

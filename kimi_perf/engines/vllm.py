@@ -59,6 +59,7 @@ class VLLMConfig(EngineConfig):
     # hidden-state extraction through the extract_hidden_states method and our CPU-safe connector
     extract_hidden_layers: tuple[int, ...] | None = None
     extract_dir: str | None = None
+    trust_remote_code: bool = False
     nccl_preset: str | None = None
 
     def speculative_config(self) -> dict[str, object] | None:
@@ -91,6 +92,8 @@ class VLLMConfig(EngineConfig):
             a += ["--attention-backend", self.attention_backend]
         if self.disable_custom_all_reduce:
             a.append("--disable-custom-all-reduce")
+        if self.trust_remote_code:
+            a.append("--trust-remote-code")
         sc = self.speculative_config()
         if sc is not None:
             a += ["--speculative-config", json.dumps(sc, separators=(",", ":"))]
