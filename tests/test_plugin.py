@@ -9,7 +9,9 @@ import pytest
 
 PROFILE = {
     "name": "toy", "description": "toy profile", "hardware": "cpu",
-    "model": {"source": "path", "path": "/nonexistent", "name": "toy-model"},
+    # "embedded" needs nothing at configure time; a "path" model that does not exist would (rightly)
+    # make the plugin skip every perf test, see test_missing_model_skips_with_reason
+    "model": {"source": "embedded", "name": "toy-model"},
     "engines": {"reference": {"kind": "reference"}}, "repeats": 3,
     "gate": {"floor": 0.05},
 }
@@ -71,6 +73,15 @@ def test_same_results_under_xdist(project):
     r = run(project, "-n", "2")
     r.assert_outcomes(passed=1, failed=1)
     r.stdout.fnmatch_lines(["*kimi-perf summary*", "*PASS*", "*FAIL*"])
+
+
+def test_missing_model_skips_with_reason(project):
+    prof = {**PROFILE, "model": {"source": "path", "path": "/nonexistent", "name": "toy-model"}}
+    (project.path / "profiles" / "toy.json").write_text(json.dumps(prof))
+    project.makepyfile(test_toy=TEST.format(speeds="100.0"))
+    r = run(project, "-rs")
+    r.assert_outcomes(skipped=1)
+    r.stdout.fnmatch_lines(["*profile toy needs model toy-model at /nonexistent (or --perf-model PATH)*"])
 
 
 def test_unknown_profile_is_usage_error(project):
