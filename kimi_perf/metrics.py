@@ -71,6 +71,8 @@ _ALL = [
     _m("e2el_ms_p99", "ms", "lower", "end-to-end request latency, p99"),
     _m("error_rate", "fraction", "lower", "failed requests / all measured requests"),
     _m("batching_gain", "x", "higher", "output tok/s at concurrency C / output tok/s at concurrency 1, same run"),
+    _m("decode_floor_ratio", "fraction", "higher",
+       "single-stream decode tok/s / (copy bandwidth / weight bytes), both measured in the same run"),
     _m("client_cpu_us_per_chunk", "us", "lower", "load-generator CPU time per streamed chunk"),
     # speculative decoding
     _m("accept_length", "tok/step", "higher", "tokens per verify step incl. bonus (SGLang spec_accept_length)"),

@@ -58,6 +58,8 @@ class ThroughputSpec:
     gated_single: tuple[str, ...]
     gated_sweep: tuple[str, ...]
     batching_gain: tuple[int, float] | None = None  # (concurrency C, minimum tok/s ratio C vs 1)
+    # GPU profiles: minimum single-stream decode speed as a fraction of the memory-bandwidth floor
+    min_floor_ratio: float | None = None
 
     def sweep_workload(self, c: int) -> Workload:
         return self.workload.with_concurrency(c, num_prompts=max(self.workload.num_prompts, self.prompts_per_concurrency * c))
@@ -180,7 +182,7 @@ def load_profile(path: Path) -> Profile:
         if not isinstance(t, dict):
             raise _e(path, "throughput", "must be an object", "see profiles/embedded-cpu.json")
         bad = set(t) - {"workload", "concurrency", "prompts_per_concurrency", "single_stream", "gated_single",
-                        "gated_sweep", "batching_gain"}
+                        "gated_sweep", "batching_gain", "min_floor_ratio"}
         if bad:
             raise _e(path, "throughput", f"unknown key(s) {sorted(bad)}", "see profiles/embedded-cpu.json")
         conc = t.get("concurrency", [1])
@@ -197,12 +199,17 @@ def load_profile(path: Path) -> Profile:
                                or bg["concurrency"] not in conc):
             raise _e(path, "throughput.batching_gain", f"{bg!r}",
                      '{"concurrency": C, "min_ratio": R} with C one of throughput.concurrency')
+        mfr = t.get("min_floor_ratio")
+        if mfr is not None and (isinstance(mfr, bool) or not isinstance(mfr, (int, float)) or not 0 < mfr <= 1):
+            raise _e(path, "throughput.min_floor_ratio", f"{mfr!r}",
+                     "a fraction in (0, 1]: decode tok/s over the bandwidth floor, e.g. 0.5")
         tp = ThroughputSpec(
             workload=wl, concurrency=tuple(conc), prompts_per_concurrency=int(t.get("prompts_per_concurrency", 2)),
             single_stream=ss,
             gated_single=_metrics_list(path, "throughput.gated_single", t.get("gated_single", ["decode_tok_s", "ttft_ms_p50"])),
             gated_sweep=_metrics_list(path, "throughput.gated_sweep", t.get("gated_sweep", ["output_throughput", "tpot_ms_p50"])),
             batching_gain=(int(bg["concurrency"]), float(bg["min_ratio"])) if bg else None,
+            min_floor_ratio=float(mfr) if mfr is not None else None,
         )
     g = raw.get("gate", {})
     if not isinstance(g, dict) or set(g) - {"floor", "noise_mult", "alpha", "floors"}:

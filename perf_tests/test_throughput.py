@@ -7,6 +7,8 @@ repeats and gated metrics come from the profile; tolerances from its ``gate`` se
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from kimi_perf.bench import measure, samples_of
@@ -30,6 +32,7 @@ def test_single_stream_decode(perf_session, perf_server, prompt_factory, perf_ga
     tp = _spec(perf_session)
     w = tp.single_stream
     results = measure(perf_server, w, prompt_factory, perf_session.repeats, label=f"{perf_server.name} single-stream")
+    perf_session.cache[("single", perf_server.name)] = [r.metrics.get("decode_tok_s", float("nan")) for r in results]
     perf_gate.check(scenario="single_stream", engine=perf_server.name, model=target_model.name, workload=w.key,
                     concurrency=1, samples=samples_of(results, REPORTED), gated=tp.gated_single,
                     engine_version=perf_server.version)
@@ -75,3 +78,51 @@ def test_batching_gain(perf_session, perf_server, prompt_factory, perf_gate, tar
     assert med >= min_ratio, (f"batching_gain (higher is better, x): C={c} gives {med:.2f}x the C=1 output "
                               f"throughput, below the required {min_ratio:.1f}x (ratios per repeat: "
                               f"{', '.join(f'{r:.2f}' for r in ratios)})")
+
+
+@pytest.mark.gpu
+def test_decode_vs_memory_floor(perf_session, perf_server, prompt_factory, perf_gate, target_model):
+    """Batch-1 decode speed as a fraction of what the GPU's memory bandwidth allows.
+
+    Bandwidth and decode speed are measured in this run on this GPU, so the ratio says how much of the
+    hardware the engine uses, independent of which GPU the runner has.
+    """
+    from kimi_perf.roofline import DecodeFloor, copy_bandwidth_bytes_s, weight_bytes_from_config
+
+    tp = _spec(perf_session)
+    if tp.min_floor_ratio is None:
+        pytest.skip(f"profile {perf_session.profile.name} sets no throughput.min_floor_ratio")
+    info = {}
+    # engines without /server_info: the weight bytes are estimated from the config below
+    with contextlib.suppress(Exception):
+        info = perf_server.get_json("/server_info", timeout=30)
+    wbytes = info.get("weight_bytes") if isinstance(info, dict) else None
+    if not wbytes:
+        try:
+            wbytes = weight_bytes_from_config(target_model.path, str(getattr(perf_server.config, "dtype", None)
+                                                                     or "bfloat16"))
+        except (KeyError, FileNotFoundError, TypeError, AttributeError) as e:
+            pytest.skip(f"{perf_server.name} reports no weight_bytes and the config is not Llama-shaped: {e}")
+    bw = copy_bandwidth_bytes_s()
+    floor = DecodeFloor(int(wbytes), bw)
+    decode = perf_session.cache.get(("single", perf_server.name))
+    if decode is None:
+        decode = samples_of(measure(perf_server, tp.single_stream, prompt_factory, perf_session.repeats,
+                                    label=f"{perf_server.name} floor"), ["decode_tok_s"])["decode_tok_s"]
+    ratios = [d / floor.tok_s for d in decode]
+    import numpy as np
+
+    med = float(np.median(ratios))
+    from kimi_perf.progress import log
+
+    log(f"{perf_server.name}: decode {np.median(decode):.1f} tok/s vs floor {floor.tok_s:.1f} tok/s "
+        f"({wbytes / 1e9:.2f} GB weights at {bw / 1e12:.2f} TB/s copy bandwidth): {med:.1%} of the floor")
+    perf_gate.check(scenario="decode_floor", engine=perf_server.name, model=target_model.name,
+                    workload=tp.single_stream.key, concurrency=1, samples={"decode_floor_ratio": ratios},
+                    gated=["decode_floor_ratio"], engine_version=perf_server.version,
+                    extra={"weight_bytes": int(wbytes), "copy_bandwidth_bytes_s": bw, "floor_tok_s": floor.tok_s,
+                           "decode_tok_s": list(decode), "cuda_graph_replays": info.get("cuda_graph_replays")})
+    assert med >= tp.min_floor_ratio, (
+        f"decode_floor_ratio (higher is better, fraction): {perf_server.name} decodes at {med:.1%} of the "
+        f"bandwidth floor ({np.median(decode):.1f} of {floor.tok_s:.1f} tok/s), below the profile's "
+        f"{tp.min_floor_ratio:.0%}")

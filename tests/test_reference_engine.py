@@ -103,3 +103,57 @@ def test_detokenizer_streams_the_same_text(model_dir, tok):
     d = IncrementalDetokenizer(tok.backend_tokenizer, len(tok))
     text = "".join(d.add([i]) for i in ids) + d.flush()
     assert text == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_padded_bucket_and_wider_window_give_the_same_logits(model_dir, tok):
+    """What a CUDA graph replays: the batch padded to a bucket with n_t = 0 rows and a key window wider
+    than the longest sequence. Checked eagerly (runs anywhere) against the exact-shape forward."""
+    from kimi_perf.engines.reference.model import CaptureSpec, LlamaRunner, slot_batch_from_tensors
+
+    r = LlamaRunner.from_pretrained(model_dir, dtype=torch.float32, max_slots=8, max_len=256)
+    prompts = [chat_ids(tok, p) for p in PROMPTS[:3]]
+    for i, p in enumerate(prompts):  # prefill each into its slot
+        r.forward(i, torch.tensor([p]), [0], [len(p)], logits="none")
+    lens = [len(p) for p in prompts]
+    nxt = torch.tensor([[11], [12], [13]])
+    for q, cap, mode in ((1, CaptureSpec(), "last"), (3, CaptureSpec(layers=(2, 15, 27)), "all")):
+        toks = nxt.repeat(1, q)
+        exact = r.forward(0, toks, lens, [q] * 3, capture=cap, logits=mode)
+        exact = (exact.logits.clone(), {k: v.clone() for k, v in exact.hidden.items()})
+        padded = torch.zeros(4, q, dtype=torch.long)
+        padded[:3] = toks
+        sb = slot_batch_from_tensors(0, torch.tensor(lens + [0]), torch.tensor([q, q, q, 0]), q, 256,
+                                     max_len=r.max_len, cos_table=r.cos, sin_table=r.sin, kpos=r._kpos)
+        with torch.inference_mode():
+            out = r.forward_batch(padded, sb, capture=cap, logits=mode)
+        torch.testing.assert_close(out.logits[:3], exact[0], rtol=1e-4, atol=1e-4)
+        for k, v in exact[1].items():
+            torch.testing.assert_close(out.hidden[k][:3], v, rtol=1e-4, atol=1e-4)
+
+
+def test_bucket_tables():
+    from kimi_perf.engines.reference.cuda_graphs import batch_buckets, window_buckets
+
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(12) == [1, 2, 4, 8, 12]
+    assert batch_buckets(128) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128]
+    assert window_buckets(1029) == [256, 512, 1024, 1029]
+    assert window_buckets(200) == [200]
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_give_the_eager_greedy_output(model_dir, tok):
+    """Graph replay (bucketed, padded, windowed) must produce exactly the eager engine's tokens."""
+    from kimi_perf.engines.reference.cuda_graphs import enable_cuda_graphs
+    from kimi_perf.engines.reference.engine import Engine
+    from kimi_perf.engines.reference.model import LlamaRunner
+
+    prompts = [chat_ids(tok, p) for p in PROMPTS]
+    outs = {}
+    for graphs in (False, True):
+        runner = LlamaRunner.from_pretrained(model_dir, device="cuda", dtype=torch.float32, max_slots=8, max_len=512)
+        if graphs:
+            gr = enable_cuda_graphs(runner, max_bs=8, q_lens=[1], log=lambda m: None)
+        outs[graphs] = run_all(Engine(runner, eos_token_ids={2}, max_running=8), prompts, 40)
+    assert gr.replays > 30 and gr.fallbacks == 0
+    assert outs[True] == outs[False]

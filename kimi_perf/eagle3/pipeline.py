@@ -85,6 +85,17 @@ def load_target_tensors(model_dir: Path) -> tuple[dict[str, Any], torch.Tensor, 
     return cfg, embed, (lm if lm is not None and not cfg.get("tie_word_embeddings") else embed)
 
 
+def load_target_norm(model_dir: Path) -> torch.Tensor | None:
+    """The target's final RMSNorm weight (the warm start of the drafter's own final norm)."""
+    from safetensors import safe_open
+
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            if "model.norm.weight" in set(h.keys()):
+                return h.get_tensor("model.norm.weight").float()
+    return None
+
+
 def build_drafter(
     recipe: DrafterRecipe,
     target_dir: Path,
@@ -128,7 +139,7 @@ def build_drafter(
         t_feat = time.monotonic() - t1
         train_ids = [s.id for s in train if s.id in set(store.sample_ids)]
         model, res = train_drafter(store, train_ids, cfg, embed, lm, torch.from_numpy(d2t), torch.from_numpy(t2d),
-                                   work, recipe.train)
+                                   work, recipe.train, target_norm=load_target_norm(target_dir))
         if res.steps < 1 or math.isnan(res.final_loss):
             raise RuntimeError(f"drafter training produced no usable model (steps {res.steps}, loss {res.final_loss})")
         aux_for = None if store.layers == (2, int(cfg["num_hidden_layers"]) // 2, int(cfg["num_hidden_layers"]) - 3) else "reference"

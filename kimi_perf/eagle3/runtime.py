@@ -116,7 +116,7 @@ class DrafterRuntime:
         pre = self.forward(feats, toks.to(self.device), base, widths)
         last = pre[torch.arange(bsz, device=self.device), torch.tensor(widths, device=self.device) - 1]
         cur = self._next(last)
-        out = [cur.tolist()]
+        out = [cur]
         committed = [b + w for b, w in zip(base, widths)]
         for s, cl in zip(seqs, committed):
             s.draft_cache_len = cl
@@ -127,5 +127,6 @@ class DrafterRuntime:
             pre = self.forward(h, cur[:, None], [cl + j - 1 for cl in committed], [1] * bsz)
             h = pre
             cur = self._next(pre[:, 0])
-            out.append(cur.tolist())
-        return [list(col) for col in zip(*out)]
+            out.append(cur)
+        # one device->host read for the whole chain: on a GPU every .tolist() is a sync
+        return torch.stack(out, dim=1).tolist()

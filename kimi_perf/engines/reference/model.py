@@ -278,6 +278,8 @@ class LlamaRunner:
         self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
         self._kpos = torch.arange(max_len, device=device)
         self._attn_fp32 = device.type == "cpu" and dtype != torch.float32
+        # set by cuda_graphs.enable_cuda_graphs: replays captured decode/verify forwards
+        self.graphs: Any = None
 
     # -- construction -------------------------------------------------------------------------
 
@@ -348,13 +350,23 @@ class LlamaRunner:
         step never waits on the device to learn its own shapes. ``logits``: "last" (at each row's
         last real token), "all" (every position), or "none".
         """
-        s = self.shape
         bsz, q = tokens.shape
         if start_slot + bsz > self.max_slots:
             raise ValueError(f"slots [{start_slot}, {start_slot + bsz}) exceed max_slots={self.max_slots}")
-        dev = self.device
+        if self.graphs is not None and start_slot == 0:
+            out = self.graphs.run(tokens, cache_lens, q_lens, capture, logits)
+            if out is not None:
+                return out
         sb = make_slot_batch(start_slot, cache_lens, q_lens, q, max_len=self.max_len, cos_table=self.cos,
-                             sin_table=self.sin, kpos=self._kpos, device=dev)
+                             sin_table=self.sin, kpos=self._kpos, device=self.device)
+        return self.forward_batch(tokens, sb, capture=capture, logits=logits)
+
+    def forward_batch(self, tokens: torch.Tensor, sb: SlotBatch, *, capture: CaptureSpec = CaptureSpec(),
+                      logits: str = "last") -> RunnerOutput:
+        """The forward proper, on device tensors only (no host reads): what CUDA graphs capture."""
+        s = self.shape
+        bsz = tokens.shape[0]
+        dev = self.device
         n_t = sb.n_t
         hidden: dict[int | str, torch.Tensor] = {}
         want = set(capture.layers)
@@ -407,13 +419,26 @@ class SlotBatch:
 def make_slot_batch(start: int, cache_lens: Sequence[int], q_lens: Sequence[int], q: int, *, max_len: int,
                     cos_table: torch.Tensor, sin_table: torch.Tensor, kpos: torch.Tensor,
                     device: torch.device) -> SlotBatch:
-    bsz = len(cache_lens)
+    """The batch geometry from host-side lengths (the eager path: ``t_max`` is the longest row)."""
     totals = [c + n for c, n in zip(cache_lens, q_lens)]
     t_max = max(totals)
     if t_max > max_len:
         raise ValueError(f"sequence length {t_max} exceeds the cache's max_len={max_len}")
-    c_t = torch.tensor(list(cache_lens), device=device)
-    n_t = torch.tensor(list(q_lens), device=device)
+    return slot_batch_from_tensors(start, torch.tensor(list(cache_lens), device=device),
+                                   torch.tensor(list(q_lens), device=device), q, t_max, max_len=max_len,
+                                   cos_table=cos_table, sin_table=sin_table, kpos=kpos)
+
+
+def slot_batch_from_tensors(start: int, c_t: torch.Tensor, n_t: torch.Tensor, q: int, t_max: int, *, max_len: int,
+                            cos_table: torch.Tensor, sin_table: torch.Tensor, kpos: torch.Tensor) -> SlotBatch:
+    """The batch geometry from device tensors and a fixed key window ``t_max``.
+
+    Pure tensor ops with static shapes, so a CUDA graph can capture it: a replay only changes the
+    contents of ``c_t`` (cached tokens per row) and ``n_t`` (new real tokens per row; 0 marks a
+    padding row of a graph's batch bucket, whose writes all land in the scratch position).
+    """
+    bsz = c_t.shape[0]
+    device = c_t.device
     ar = torch.arange(q, device=device)
     positions = c_t[:, None] + ar[None, :]
     real = ar[None, :] < n_t[:, None]

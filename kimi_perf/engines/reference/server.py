@@ -156,11 +156,6 @@ class ReferenceServer:
             a.model_path, device=device, dtype=dtype, max_slots=a.max_running_requests,
             max_len=a.context_length + spec_k + 1, load_format=a.load_format, seed=a.random_seed,
         )
-        if device == "cuda" and not a.disable_cuda_graph:
-            from .cuda_graphs import enable_cuda_graphs
-
-            enable_cuda_graphs(runner, max_bs=min(a.cuda_graph_max_bs_decode, a.max_running_requests),
-                               q_lens=sorted({1, spec_k + 1}))
         self.vocab_size = runner.shape.vocab_size
         n = runner.shape.num_layers
         if a.return_aux_hidden_state_layer_ids:
@@ -178,6 +173,15 @@ class ReferenceServer:
             drafter = DrafterRuntime.from_pretrained(a.speculative_draft_model_path, runner)
             print(f"[kimi-ref] EAGLE-3 drafter {a.speculative_draft_model_path}: aux layers "
                   f"{drafter.aux_layers}, {spec_k} steps", flush=True)
+        if device == "cuda" and not a.disable_cuda_graph:
+            from .cuda_graphs import enable_cuda_graphs
+
+            print(f"[kimi-ref] capturing CUDA graphs (batch <= {min(a.cuda_graph_max_bs_decode, a.max_running_requests)})",
+                  flush=True)
+            enable_cuda_graphs(runner, max_bs=min(a.cuda_graph_max_bs_decode, a.max_running_requests),
+                               q_lens=sorted({1, spec_k + 1}),
+                               aux_layers=drafter.aux_layers if drafter is not None else (),
+                               log=lambda m: print(m, flush=True))
         eos = set()
         for src in (getattr(self.hf_tokenizer, "eos_token_id", None),):
             if isinstance(src, int):
@@ -388,6 +392,8 @@ class ReferenceServer:
             **self.info, "version": __version__, "engine": ENGINE_NAME,
             "internal_states": [{"avg_spec_accept_length": accept_len,
                                  "last_gen_throughput": st.last_gen_throughput}],
+            **({"cuda_graph_replays": g.replays, "cuda_graph_fallbacks": g.fallbacks}
+               if (g := self.engine.runner.graphs) is not None else {}),
         })
 
     async def version(self, request: web.Request) -> web.Response:
