@@ -264,6 +264,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "perf_nccl_concurrency" in metafunc.fixturenames:
         conc = list(s.profile.nccl.get("concurrency", [1]))
         metafunc.parametrize("perf_nccl_concurrency", conc, ids=[f"c{c}" for c in conc])
+    if "perf_allreduce_tokens" in metafunc.fixturenames:
+        toks = list(s.profile.allreduce.get("tokens", [1, 8, 32, 128])) if s.profile.allreduce else [None]
+        metafunc.parametrize("perf_allreduce_tokens", toks, ids=[f"t{t}" if t else "none" for t in toks])
     if "perf_concurrency" in metafunc.fixturenames:
         conc = s.profile.throughput.concurrency if s.profile.throughput else (1,)
         metafunc.parametrize("perf_concurrency", list(conc), ids=[f"c{c}" for c in conc])

@@ -92,6 +92,8 @@ class Profile:
     eagle3: Mapping[str, Any] = field(default_factory=dict)
     alignment: Mapping[str, Any] = field(default_factory=dict)
     nccl: Mapping[str, Any] = field(default_factory=dict)
+    # all-reduce micro-benchmark (kimi_perf.nccl): AllReduceSpec fields plus presets / preferred / min_ratio
+    allreduce: Mapping[str, Any] = field(default_factory=dict)
     sources: Mapping[str, str] = field(default_factory=dict)
     # pin the baseline hardware key when the detected machine matches (GPU product names vary by SKU
     # and driver: "RTX PRO 6000 Blackwell Server Edition" vs "... Workstation Edition")
@@ -109,7 +111,7 @@ class Profile:
 
 
 _TOP = {"name", "description", "hardware", "min_gpus", "model", "engines", "default_engines", "repeats",
-        "throughput", "gate", "eagle3", "alignment", "nccl", "sources", "hardware_match"}
+        "throughput", "gate", "eagle3", "alignment", "nccl", "sources", "hardware_match", "allreduce"}
 
 
 def _e(path: Path, key: str, problem: str, fix: str) -> ProfileError:
@@ -227,16 +229,41 @@ def load_profile(path: Path) -> Profile:
     hm = raw.get("hardware_match", {})
     if hm and (not isinstance(hm, dict) or set(hm) - {"gpu_name_contains", "count", "key"} or "key" not in hm):
         raise _e(path, "hardware_match", f"{hm!r}", '{"gpu_name_contains": "H200", "count": 1, "key": "gpu-h200-x1"}')
-    for section in ("eagle3", "alignment", "nccl", "sources"):
+    for section in ("eagle3", "alignment", "nccl", "sources", "allreduce"):
         if section in raw and not isinstance(raw[section], dict):
             raise _e(path, section, "must be an object", "see profiles/embedded-cpu.json")
+    ar = raw.get("allreduce", {})
+    if ar:
+        _check_allreduce(path, ar)
     return Profile(
         name=name, path=Path(path), description=str(raw.get("description", "")), hardware=hw, min_gpus=min_gpus,
         model=model, engines=engines, default_engines=tuple(default), repeats=repeats, throughput=tp,
         gate=GateSpec(gcfg, {k: float(v) for k, v in floors.items()}), eagle3=raw.get("eagle3", {}),
         alignment=raw.get("alignment", {}), nccl=raw.get("nccl", {}), sources=raw.get("sources", {}),
-        hardware_match=hm,
+        hardware_match=hm, allreduce=ar,
     )
+
+
+def _check_allreduce(path: Path, ar: Mapping[str, Any]) -> None:
+    from .engines.presets import NCCL_PRESETS
+    from .nccl import AllReduceSpec
+
+    own = {"presets", "preferred", "min_ratio", "timeout_s"}
+    spec_fields = {k: v for k, v in ar.items() if k not in own}
+    try:
+        # world_size is checked against the visible GPUs at run time; 2 only validates the rest here
+        AllReduceSpec.from_dict({"world_size": 2, **spec_fields})
+    except (TypeError, ValueError) as ex:
+        raise _e(path, "allreduce", str(ex), "see kimi_perf.nccl.AllReduceSpec for the fields") from None
+    presets = ar.get("presets", ["default", "seed-pcie-tuned"])
+    if (not isinstance(presets, list) or len(presets) < 2
+            or not all(isinstance(p, str) and p in NCCL_PRESETS for p in presets)):
+        raise _e(path, "allreduce.presets", f"{presets!r}",
+                 f"a list of >= 2 preset names, the reference first; presets: {', '.join(NCCL_PRESETS)}")
+    pref = ar.get("preferred", presets[1])
+    if pref not in presets[1:]:
+        raise _e(path, "allreduce.preferred", f"{pref!r} is not one of the compared presets after the reference",
+                 f"one of {presets[1:]}")
 
 
 def find_profile(name_or_path: str, roots: list[Path]) -> Path:
