@@ -155,5 +155,68 @@ def test_cuda_graphs_give_the_eager_greedy_output(model_dir, tok):
         if graphs:
             gr = enable_cuda_graphs(runner, max_bs=8, q_lens=[1], log=lambda m: None)
         outs[graphs] = run_all(Engine(runner, eos_token_ids={2}, max_running=8), prompts, 40)
-    assert gr.replays > 30 and gr.fallbacks == 0
+    assert gr.replays > 30 and gr.fallbacks == 0  # prefills are not fallbacks: they are never graphed
     assert outs[True] == outs[False]
+
+
+def _run_params(engine, prompts, params):
+    from kimi_perf.engines.reference.engine import Sequence
+
+    done = threading.Event()
+    seqs = [Sequence(rid=str(i), prompt=p, params=pp) for i, (p, pp) in enumerate(zip(prompts, params))]
+    left = {id(s) for s in seqs}
+
+    def on_step(events):
+        for e in events:
+            if e.finished:
+                left.discard(id(e.seq))
+        if not left:
+            done.set()
+
+    engine.on_step = on_step
+    engine.start()
+    try:
+        for s in seqs:
+            engine.submit(s)
+        assert done.wait(300)
+    finally:
+        engine.stop()
+    return [s.output for s in seqs]
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(model_dir, tok):
+    from kimi_perf.engines.reference.engine import SamplingParams
+
+    prompts = [chat_ids(tok, p) for p in PROMPTS[:4]]
+    hot = SamplingParams(max_new_tokens=16, temperature=0.9, ignore_eos=True, seed=7)
+    greedy = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    alone = _run_params(make_engine(model_dir), prompts[:1], [hot])[0]
+    mixed = _run_params(make_engine(model_dir), prompts, [hot, greedy, SamplingParams(
+        max_new_tokens=16, temperature=0.9, ignore_eos=True, seed=8), greedy])
+    assert mixed[0] == alone  # same seed, same tokens, whatever else is in the batch
+    assert mixed[2] != mixed[0] or prompts[2] != prompts[0]
+    assert mixed[1] == _run_params(make_engine(model_dir), prompts[1:2], [greedy])[0]
+    other_seed = _run_params(make_engine(model_dir), prompts[:1], [SamplingParams(
+        max_new_tokens=16, temperature=0.9, ignore_eos=True, seed=8)])[0]
+    assert other_seed != alone
+
+
+def test_prefill_batching_policy(model_dir):
+    import time as _time
+
+    from kimi_perf.engines.reference.engine import SamplingParams, Sequence
+
+    eng = make_engine(model_dir, prefill_wait_s=0.05)
+    mk = lambda i: Sequence(rid=str(i), prompt=[1, 2, 3], params=SamplingParams())  # noqa: E731
+    eng._waiting.append(mk(0))
+    assert eng._prefill_due()  # nothing running: prefill at once
+    eng.running = [mk(i) for i in range(1, 17)]  # 16 running: wait for 2 arrivals or 50 ms
+    assert not eng._prefill_due()
+    eng._waiting.append(mk(99))
+    assert eng._prefill_due()
+    eng._waiting.pop()
+    eng._waiting[0].t_arrival = _time.monotonic() - 0.06
+    assert eng._prefill_due()
+    eng.running = eng.running[:7]  # <= 8 running: a single arrival is enough
+    eng._waiting[0].t_arrival = _time.monotonic()
+    assert eng._prefill_due()

@@ -70,6 +70,7 @@ class ReferenceEngineConfig(EngineConfig):
     context_length: int = 1024
     max_running_requests: int = 16
     max_prefill_tokens: int = 4096
+    prefill_wait_ms: float | None = None  # None: the server's default (20 ms)
     random_seed: int = 0
     torch_threads: int = 0
     spec: SpecConfig | None = None
@@ -90,6 +91,8 @@ class ReferenceEngineConfig(EngineConfig):
         ]
         if self.torch_threads:
             a += ["--torch-threads", str(self.torch_threads)]
+        if self.prefill_wait_ms is not None:
+            a += ["--prefill-wait-ms", str(self.prefill_wait_ms)]
         if self.spec is not None:
             a += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", self.spec.draft_model_path,
                   "--speculative-num-steps", str(self.spec.steps), "--speculative-eagle-topk", str(self.spec.topk),

@@ -129,8 +129,10 @@ class GraphRunner:
         """Replay the matching graph, or ``None`` (the caller runs eagerly)."""
         bsz, q = tokens.shape
         mode = self.modes.get(q)
-        if mode is None or mode != (capture, logits) or any(n != q for n in q_lens):
-            self.fallbacks += 1
+        if mode is None:
+            return None  # a prefill: never graphed
+        if mode != (capture, logits) or any(n != q for n in q_lens):
+            self.fallbacks += 1  # a decode/verify step that could not replay (e.g. hidden states requested)
             return None
         b = next((x for x in self.buckets if x >= bsz), None)
         need = max(cache_lens) + q

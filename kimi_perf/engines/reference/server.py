@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=2048)
     p.add_argument("--max-running-requests", type=int, default=16)
     p.add_argument("--max-prefill-tokens", type=int, default=4096)
+    p.add_argument("--prefill-wait-ms", type=float, default=20.0,
+                   help="with sequences running, let new requests gather up to this long (or until running/8 "
+                        "are waiting) for one batched prefill; 0 = prefill every arrival at once")
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: all cores)")
     p.add_argument("--enable-return-hidden-states", action="store_true",
@@ -192,7 +195,7 @@ class ReferenceServer:
             eos |= set(e if isinstance(e, list) else [e] if isinstance(e, int) else [])
         self.engine = Engine(
             runner, eos_token_ids=eos, max_running=a.max_running_requests,
-            max_prefill_tokens=a.max_prefill_tokens,
+            max_prefill_tokens=a.max_prefill_tokens, prefill_wait_s=a.prefill_wait_ms / 1000.0,
             hidden_layers=self.aux_ids if a.enable_return_aux_hidden_states else (),
             hidden_final_norm=not a.enable_return_aux_hidden_states,
             drafter=drafter, spec_steps=spec_k, on_step=self._on_step, on_fatal=self._on_fatal,
