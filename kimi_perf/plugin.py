@@ -70,6 +70,7 @@ class PerfSession:
     model_override: str | None
     drafter_path: str | None
     engine_pythons: dict[str, str]
+    allow_remote_bind: bool = False
     results: list[dict[str, Any]] = field(default_factory=list)
     started: float = field(default_factory=time.time)
     gpus: list[dict[str, str]] = field(default_factory=list)
@@ -136,6 +137,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="directory holding <profile>.json baselines (ini: perf_baseline_dir; default baselines/)")
     g.addoption("--perf-server-timeout", default=None, type=float, metavar="SECONDS",
                 help="how long a server may take to become ready (ini: perf_server_timeout; default 600)")
+    g.addoption("--perf-allow-remote-bind", action="store_true", default=False,
+                help="let a profile's engine bind a non-loopback host (default: every server binds 127.0.0.1)")
     g.addoption("--perf-drafter", default=None, metavar="PATH",
                 help="use this EAGLE-3 drafter checkpoint instead of training one")
     g.addoption("--perf-vllm-python", default=None, metavar="PATH",
@@ -214,6 +217,7 @@ def pytest_configure(config: pytest.Config) -> None:
         json_path=Path(json_opt) if json_opt else None, server_timeout_s=timeout,
         model_override=config.getoption("--perf-model"), drafter_path=config.getoption("--perf-drafter"),
         engine_pythons={k: v for k, v in pythons.items() if v}, gpus=gpus,
+        allow_remote_bind=bool(config.getoption("--perf-allow-remote-bind")),
     )
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(PerfCollector(config.stash[SESSION_KEY]), "kimi-perf-collector")

@@ -123,7 +123,7 @@ def _workload(path: Path, key: str, raw: Any, name: str) -> Workload:
         raise _e(path, key, "must be an object of workload fields", "see kimi_perf.load.workload.Workload")
     try:
         return Workload.from_dict({"name": name, **raw})
-    except (TypeError, ValueError) as ex:
+    except (TypeError, ValueError, AttributeError) as ex:
         raise _e(path, key, str(ex), "see kimi_perf.load.workload.Workload for the fields") from None
 
 
@@ -137,6 +137,18 @@ def _metrics_list(path: Path, key: str, raw: Any) -> tuple[str, ...]:
 
 
 def load_profile(path: Path) -> Profile:
+    """Parse and validate a profile file; every problem is a :class:`ProfileError` naming file and key."""
+    try:
+        return _load_profile(path)
+    except ProfileError:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError) as ex:
+        # a value of a type no check above anticipated: still the file's fault, still named
+        raise ProfileError(f"profile {path}: malformed value ({type(ex).__name__}: {ex}). "
+                           "Fix: compare with profiles/embedded-cpu.json") from None
+
+
+def _load_profile(path: Path) -> Profile:
     try:
         raw = json.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -155,14 +167,15 @@ def load_profile(path: Path) -> Profile:
     if hw not in ("cpu", "cuda"):
         raise _e(path, "hardware", f"{hw!r}", 'use "cpu" or "cuda"')
     min_gpus = raw.get("min_gpus", 0 if hw == "cpu" else 1)
-    if not isinstance(min_gpus, int) or min_gpus < 0:
+    if isinstance(min_gpus, bool) or not isinstance(min_gpus, int) or min_gpus < 0:
         raise _e(path, "min_gpus", f"{min_gpus!r}", "a non-negative integer")
     m = raw.get("model")
     if not isinstance(m, dict) or m.get("source") not in ("embedded", "path", "dummy"):
-        raise _e(path, "model.source", f"{(m or {}).get('source')!r}", 'use "embedded", "path" (with "path") or "dummy" (with "shape")')
+        got = m.get("source") if isinstance(m, dict) else m
+        raise _e(path, "model.source", f"{got!r}", 'use "embedded", "path" (with "path") or "dummy" (with "shape")')
     if m["source"] == "path" and not isinstance(m.get("path"), str):
         raise _e(path, "model.path", "missing", "give the checkpoint directory, or override with --perf-model")
-    if m["source"] == "dummy" and m.get("shape") not in DUMMY_SHAPES:
+    if m["source"] == "dummy" and (not isinstance(m.get("shape"), str) or m["shape"] not in DUMMY_SHAPES):
         raise _e(path, "model.shape", f"{m.get('shape')!r}", f"one of {sorted(DUMMY_SHAPES)}")
     model = ModelSpec(source=m["source"], name=str(m.get("name") or m.get("shape") or "model"),
                       path=m.get("path"), dummy_shape=m.get("shape"))
@@ -171,12 +184,13 @@ def load_profile(path: Path) -> Profile:
         raise _e(path, "engines", "missing or empty", 'map engine name -> {"kind": "reference"|"vllm"|"sglang", ...}')
     for en, ec in engines.items():
         if not isinstance(ec, dict) or ec.get("kind") not in ("reference", "vllm", "sglang"):
-            raise _e(path, f"engines.{en}.kind", f"{(ec or {}).get('kind')!r}", 'use "reference", "vllm" or "sglang"')
+            got = ec.get("kind") if isinstance(ec, dict) else ec
+            raise _e(path, f"engines.{en}.kind", f"{got!r}", 'use "reference", "vllm" or "sglang"')
     default = raw.get("default_engines", [next(iter(engines))])
-    if not isinstance(default, list) or not all(d in engines for d in default):
+    if not isinstance(default, list) or not all(isinstance(d, str) and d in engines for d in default):
         raise _e(path, "default_engines", f"{default!r} names an engine not under 'engines'", f"choose from {sorted(engines)}")
     repeats = raw.get("repeats", 3)
-    if not isinstance(repeats, int) or repeats < 1:
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise _e(path, "repeats", f"{repeats!r}", "an integer >= 1 (3 on CPU, 5 on GPU)")
     tp = None
     if "throughput" in raw:
@@ -196,9 +210,13 @@ def load_profile(path: Path) -> Profile:
             raise _e(path, "throughput.single_stream", "must be an object of workload fields", "e.g. {\"num_prompts\": 3}")
         base = {k: v for k, v in wl.to_dict().items() if k != "name"}
         ss = _workload(path, "throughput.single_stream", {**base, **ss_over, "concurrency": 1}, wl.name + "-single")
+        ppc = t.get("prompts_per_concurrency", 2)
+        if isinstance(ppc, bool) or not isinstance(ppc, int) or ppc < 1:
+            raise _e(path, "throughput.prompts_per_concurrency", f"{ppc!r}", "an integer >= 1")
         bg = t.get("batching_gain")
         if bg is not None and (not isinstance(bg, dict) or set(bg) != {"concurrency", "min_ratio"}
-                               or bg["concurrency"] not in conc):
+                               or bg["concurrency"] not in conc or isinstance(bg["min_ratio"], bool)
+                               or not isinstance(bg["min_ratio"], (int, float))):
             raise _e(path, "throughput.batching_gain", f"{bg!r}",
                      '{"concurrency": C, "min_ratio": R} with C one of throughput.concurrency')
         mfr = t.get("min_floor_ratio")
@@ -206,7 +224,7 @@ def load_profile(path: Path) -> Profile:
             raise _e(path, "throughput.min_floor_ratio", f"{mfr!r}",
                      "a fraction in (0, 1]: decode tok/s over the bandwidth floor, e.g. 0.5")
         tp = ThroughputSpec(
-            workload=wl, concurrency=tuple(conc), prompts_per_concurrency=int(t.get("prompts_per_concurrency", 2)),
+            workload=wl, concurrency=tuple(conc), prompts_per_concurrency=ppc,
             single_stream=ss,
             gated_single=_metrics_list(path, "throughput.gated_single", t.get("gated_single", ["decode_tok_s", "ttft_ms_p50"])),
             gated_sweep=_metrics_list(path, "throughput.gated_sweep", t.get("gated_sweep", ["output_throughput", "tpot_ms_p50"])),
@@ -214,18 +232,27 @@ def load_profile(path: Path) -> Profile:
             min_floor_ratio=float(mfr) if mfr is not None else None,
         )
     g = raw.get("gate", {})
-    if not isinstance(g, dict) or set(g) - {"floor", "noise_mult", "alpha", "floors"}:
+    if not isinstance(g, dict):
+        raise _e(path, "gate", f"must be an object, got {g!r}", '{"floor": 0.1, "noise_mult": 3, "alpha": 0.05}')
+    if set(g) - {"floor", "noise_mult", "alpha", "floors"}:
         raise _e(path, "gate", f"unknown key(s) {sorted(set(g) - {'floor', 'noise_mult', 'alpha', 'floors'})}",
                  "allowed: floor, noise_mult, alpha, floors")
+    nums = {k: g.get(k, d) for k, d in (("floor", 0.10), ("noise_mult", 3.0), ("alpha", 0.05))}
+    for k, v in nums.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise _e(path, f"gate.{k}", f"must be a number, got {v!r}", "floor is a fraction (0.10 = 10%)")
     try:
-        gcfg = GateConfig(floor=float(g.get("floor", 0.10)), noise_mult=float(g.get("noise_mult", 3.0)),
-                          alpha=float(g.get("alpha", 0.05)))
+        gcfg = GateConfig(floor=float(nums["floor"]), noise_mult=float(nums["noise_mult"]), alpha=float(nums["alpha"]))
     except ValueError as ex:
         raise _e(path, "gate", str(ex), "floor is a fraction (0.10 = 10%)") from None
     floors = g.get("floors", {})
-    for k in floors:
+    if not isinstance(floors, dict):
+        raise _e(path, "gate.floors", f"must be an object, got {floors!r}", '{"metric_name": 0.15}')
+    for k, v in floors.items():
         if k not in METRICS:
             raise _e(path, f"gate.floors.{k}", "unknown metric", f"use one of: {', '.join(sorted(METRICS))}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 10:
+            raise _e(path, f"gate.floors.{k}", f"must be a fraction, got {v!r}", "e.g. 0.15 for 15%")
     hm = raw.get("hardware_match", {})
     if hm and (not isinstance(hm, dict) or set(hm) - {"gpu_name_contains", "count", "key"} or "key" not in hm):
         raise _e(path, "hardware_match", f"{hm!r}", '{"gpu_name_contains": "H200", "count": 1, "key": "gpu-h200-x1"}')

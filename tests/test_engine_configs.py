@@ -174,6 +174,24 @@ def test_registry_rejects_unknown_settings():
         build_engine_config("t", {"kind": "tgi"}, model_path="/m", served_model_name="m")
 
 
+@pytest.mark.parametrize("kind", ["reference", "vllm", "sglang"])
+def test_servers_bind_loopback_unless_the_session_allows_more(kind):
+    cfg = build_engine_config("e", {"kind": kind}, model_path="/m", served_model_name="m")
+    assert cfg.host == "127.0.0.1"
+    argv = cfg.argv(1234)
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    with pytest.raises(EngineConfigError, match="binds? 127.0.0.1 unless pytest is run with --perf-allow-remote-bind"):
+        build_engine_config("e", {"kind": kind, "host": "0.0.0.0"}, model_path="/m", served_model_name="m")
+    remote = build_engine_config("e", {"kind": kind, "host": "0.0.0.0"}, model_path="/m", served_model_name="m",
+                                 allow_remote_bind=True)
+    assert "0.0.0.0" in remote.argv(1234)
+
+
+def test_a_profile_cannot_choose_the_interpreter():
+    with pytest.raises(EngineConfigError, match="cannot choose the interpreter.*--perf-vllm-python"):
+        build_engine_config("v", {"kind": "vllm", "python": "/tmp/evil"}, model_path="/m", served_model_name="m")
+
+
 def test_configs_are_hashable_and_comparable():
     a = build_engine_config("s", {"kind": "sglang", "tp_size": 8}, model_path="/m", served_model_name="m")
     b = build_engine_config("s", {"kind": "sglang", "tp_size": 8}, model_path="/m", served_model_name="m")

@@ -32,10 +32,24 @@ def engine_classes() -> dict[str, type[EngineConfig]]:
     return classes
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
 def build_engine_config(name: str, raw: Mapping[str, Any], *, model_path: str, served_model_name: str,
                         python: str | None = None, ready_timeout_s: float = 600.0,
-                        overrides: Mapping[str, Any] | None = None, source: str = "profile") -> EngineConfig:
+                        overrides: Mapping[str, Any] | None = None, source: str = "profile",
+                        allow_remote_bind: bool = False) -> EngineConfig:
+    """``raw`` is data from a profile: it may choose settings, never what runs. The interpreter comes
+    from the session (``--perf-<kind>-python``), and a non-loopback ``host`` needs the session's
+    explicit ``--perf-allow-remote-bind``: a profile alone cannot expose a server to the network."""
     kind = raw.get("kind")
+    if "python" in raw:
+        raise EngineConfigError(f"{source}: engines.{name}.python: a profile cannot choose the interpreter that "
+                                f"runs; pass --perf-{kind}-python PATH (or KIMI_PERF_{str(kind).upper()}_PYTHON)")
+    host = {**raw, **(overrides or {})}.get("host", "127.0.0.1")
+    if host not in LOOPBACK and not allow_remote_bind:
+        raise EngineConfigError(f"{source}: engines.{name}.host {host!r} would serve beyond this machine; servers "
+                                "bind 127.0.0.1 unless pytest is run with --perf-allow-remote-bind")
     classes = engine_classes()
     if kind not in classes:
         raise EngineConfigError(f"{source}: engines.{name}.kind {kind!r}: use one of {sorted(classes)}")
