@@ -39,12 +39,14 @@ def make_engine(model_dir, dtype=torch.float32, **kw):
     return Engine(runner, eos_token_ids={2}, max_running=8, **kw)
 
 
-def run_all(engine, prompts, max_new, ignore_eos=True):
+def run_all(engine, prompts, max_new, ignore_eos=True, params=None):
+    """Run ``prompts`` through the engine thread; ``params`` (one SamplingParams per prompt) overrides
+    the greedy defaults."""
     from kimi_perf.engines.reference.engine import SamplingParams, Sequence
 
     done = threading.Event()
-    seqs = [Sequence(rid=str(i), prompt=p, params=SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos))
-            for i, p in enumerate(prompts)]
+    params = params or [SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos)] * len(prompts)
+    seqs = [Sequence(rid=str(i), prompt=p, params=pp) for i, (p, pp) in enumerate(zip(prompts, params))]
     left = {id(s) for s in seqs}
 
     def on_step(events):
@@ -160,28 +162,7 @@ def test_cuda_graphs_give_the_eager_greedy_output(model_dir, tok):
 
 
 def _run_params(engine, prompts, params):
-    from kimi_perf.engines.reference.engine import Sequence
-
-    done = threading.Event()
-    seqs = [Sequence(rid=str(i), prompt=p, params=pp) for i, (p, pp) in enumerate(zip(prompts, params))]
-    left = {id(s) for s in seqs}
-
-    def on_step(events):
-        for e in events:
-            if e.finished:
-                left.discard(id(e.seq))
-        if not left:
-            done.set()
-
-    engine.on_step = on_step
-    engine.start()
-    try:
-        for s in seqs:
-            engine.submit(s)
-        assert done.wait(300)
-    finally:
-        engine.stop()
-    return [s.output for s in seqs]
+    return run_all(engine, prompts, 0, params=params)
 
 
 def test_seeded_sampling_is_reproducible_in_any_batch(model_dir, tok):
@@ -220,3 +201,20 @@ def test_prefill_batching_policy(model_dir):
     eng.running = eng.running[:7]  # <= 8 running: a single arrival is enough
     eng._waiting[0].t_arrival = _time.monotonic()
     assert eng._prefill_due()
+
+
+def test_planted_decode_slowdown_is_applied(model_dir, tok, monkeypatch):
+    """The switch the gate's end-to-end check uses (README: planted slowdown) really slows decoding."""
+    import time as _time
+
+    from kimi_perf.engines.reference.engine import PLANT_ENV
+
+    prompts = [chat_ids(tok, PROMPTS[0])]
+    t0 = _time.perf_counter()
+    run_all(make_engine(model_dir), prompts, 12)
+    base = _time.perf_counter() - t0
+    monkeypatch.setenv(PLANT_ENV, "100")
+    t0 = _time.perf_counter()
+    run_all(make_engine(model_dir), prompts, 12)
+    slow = _time.perf_counter() - t0
+    assert slow - base > 11 * 0.1 * 0.9  # 11 decode steps after the prefill, 100 ms each
