@@ -51,14 +51,13 @@ def bench(runner: Any, batch: int, context: int, steps: int) -> dict[str, float]
     lens = [context] * batch
     nxt = torch.randint(0, vocab, (batch, 1), generator=gen).to(runner.device)
     times = []
-    for s in range(steps):
+    for _ in range(steps):
         t0 = time.perf_counter()
         out = runner.forward(0, nxt, lens, [1] * batch, logits="last")
         toks = out.logits.argmax(-1).tolist()  # the engine reads tokens back every step: include it
         times.append(time.perf_counter() - t0)
         nxt = torch.tensor(toks, device=runner.device)[:, None]
         lens = [n + 1 for n in lens]
-        del s
     times = times[max(1, steps // 8):]  # first steps: allocator and kernel-selection warm-up
     step = statistics.median(times)
     return {"batch": batch, "step_ms_p50": step * 1e3, "step_ms_min": min(times) * 1e3,
