@@ -7,7 +7,9 @@ died, its exit code and log), never a silent pass on the requests that happened 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -53,9 +55,17 @@ class RunningServer:
             raw = r.read()
         return json.loads(raw) if raw[:1] in (b"{", b"[") else raw.decode()
 
-    def death_note(self) -> str | None:
+    def death_note(self, wait_s: float = 2.0) -> str | None:
+        """Exit code, log and last lines if the server died. Called after requests failed: a server
+        that was just killed closes its sockets before the kernel reports its exit, so give a dying
+        process ``wait_s`` to be reaped rather than report it alive."""
         p = self.process
-        if p is None or p.alive():
+        if p is None:
+            return None
+        if p.alive() and p.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.proc.wait(timeout=wait_s)
+        if p.alive():
             return None
         return (f"server {self.name} (pid {p.pid}) exited with code {p.returncode}; log: {p.log_path}\n"
                 f"last log lines:\n{p.tail(20)}")
