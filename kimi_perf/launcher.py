@@ -30,6 +30,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .progress import log
 
@@ -97,7 +98,8 @@ def kill_all() -> None:
 _PR_SET_PDEATHSIG = 1
 
 
-def _child_setup() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:
+    """``preexec_fn``: the child gets SIGTERM when its parent dies (a SIGKILLed pytest included)."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -184,7 +186,7 @@ class ServerProcess:
             logf.flush()
             self.proc = subprocess.Popen(
                 argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                cwd=self.spec.cwd, start_new_session=True, preexec_fn=_child_setup,
+                cwd=self.spec.cwd, start_new_session=True, preexec_fn=die_with_parent,
             )
         with _LIVE_LOCK:
             _LIVE[self.proc.pid] = self
@@ -258,29 +260,36 @@ class ServerProcess:
         p = self.proc
         if p is None:
             return None
-        try:
-            pgid = os.getpgid(p.pid)
-        except ProcessLookupError:
-            pgid = None
-        if p.poll() is None or pgid is not None:
-            for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-                try:
-                    if pgid is not None:
-                        os.killpg(pgid, sig)
-                    else:
-                        p.send_signal(sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    p.wait(timeout=wait)
-                    if pgid is not None and _group_alive(pgid):
-                        continue  # leader gone but a worker of the group survived: escalate
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+        rc = stop_process_group(p, grace_s)
         with _LIVE_LOCK:
             _LIVE.pop(p.pid, None)
-        return p.poll()
+        return rc
+
+
+def stop_process_group(p: subprocess.Popen[Any], grace_s: float = 15.0) -> int | None:
+    """SIGTERM the group that ``p`` leads (started with ``start_new_session``), SIGKILL it after
+    ``grace_s``, and escalate while any member survives its leader; returns ``p``'s exit code."""
+    try:
+        pgid = os.getpgid(p.pid)
+    except ProcessLookupError:
+        pgid = None
+    if p.poll() is None or pgid is not None:
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                if pgid is not None:
+                    os.killpg(pgid, sig)
+                else:
+                    p.send_signal(sig)
+            except ProcessLookupError:
+                break
+            try:
+                p.wait(timeout=wait)
+                if pgid is not None and _group_alive(pgid):
+                    continue  # leader gone but a worker of the group survived: escalate
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    return p.poll()
 
 
 def _group_alive(pgid: int) -> bool:

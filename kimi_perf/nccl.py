@@ -18,10 +18,8 @@ with 2 processes), so the harness is exercised where there is no GPU.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .engines.presets import SAFETY_ENV, nccl_env
+from .launcher import die_with_parent, free_port, stop_process_group
 
 __all__ = ["AllReduceError", "AllReduceResult", "AllReduceSpec", "SizeResult", "compare_presets", "run_allreduce"]
 
@@ -107,14 +106,6 @@ class AllReduceResult:
         return {s.tokens: s for s in self.sizes}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_allreduce(spec: AllReduceSpec, preset: str | None = "default", *, python: str = sys.executable,
                   timeout_s: float = 600.0, log_dir: Path | None = None,
                   extra_env: Mapping[str, str] | None = None) -> AllReduceResult:
@@ -134,17 +125,19 @@ def run_allreduce(spec: AllReduceSpec, preset: str | None = "default", *, python
     if spec.backend == "gloo":
         env.setdefault("OMP_NUM_THREADS", "1")
     argv = [python, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(spec.world_size),
-            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
             "-m", "kimi_perf.nccl", "worker", "--spec", json.dumps(asdict(spec)), "--out", str(out)]
     t0 = time.monotonic()
     with open(log_path, "wb") as logf:
-        proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # the launcher's process handling: own group, SIGTERM on our death, group kill after any outcome
+        proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=die_with_parent)
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             rc = None
         finally:
-            _kill_group(proc)
+            stop_process_group(proc, grace_s=5.0)
     wall = time.monotonic() - t0
     if rc != 0 or not out.is_file():
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
@@ -155,23 +148,6 @@ def run_allreduce(spec: AllReduceSpec, preset: str | None = "default", *, python
     return AllReduceResult(spec=spec, preset=name, env=raw["env"], sizes=tuple(SizeResult(**s) for s in raw["sizes"]),
                            torch_version=raw["torch"], nccl_version=raw.get("nccl"), wall_s=wall,
                            log_path=str(log_path), extra={"devices": raw.get("devices")})
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM, then SIGKILL, the launcher and every rank it started (they share its session)."""
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            continue
-        # the launcher is gone; make sure no orphaned rank survives it
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        return
 
 
 def compare_presets(spec: AllReduceSpec, presets: Sequence[str], repeats: int, **kw: Any) -> dict[str, list[AllReduceResult]]:
