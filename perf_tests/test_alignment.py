@@ -133,9 +133,14 @@ def test_planted_fault_is_caught_with_its_cause(alignment, fault, dtype):
     inf = alignment.inference(dtype)[0]
     ext = hf.hidden_states(inf.token_ids, list(alignment.st.served))
     bad, layer, cause = _planted(ext, fault, alignment)
-    thr, tol, _ = alignment.threshold(dtype, layer)
+    thr, tol, src = alignment.threshold(dtype, layer)
     rep = check_alignment(bad, inf, [layer], threshold=thr, norm_ratio_tol=tol, final_norm_weight=hf.final_norm_weight,
                           num_layers=alignment.st.num_layers)
+    if rep.ok:
+        c = rep.verdicts[0].comparison
+        pytest.fail(f"planted {fault} fault [{dtype}] passed the alignment check: layer {layer} cos min "
+                    f"{c.cos_min:.7f} >= threshold {thr:.7f} ({src}), norm ratio {c.norm_ratio_median:.5f} "
+                    f"within +-{tol:.4f}; the noise floor is as wide as the fault, so the check cannot see it")
     with pytest.raises(AlignmentError) as ei:
         rep.raise_if_failed()
     log(f"planted {fault} [{dtype}]: " + str(ei.value).replace("\n", " |"))
