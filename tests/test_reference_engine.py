@@ -6,22 +6,10 @@ from __future__ import annotations
 import threading
 
 import pytest
-from engine_helpers import PROMPTS, chat_ids, embedded_path
+from engine_helpers import PROMPTS, chat_ids
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return embedded_path()
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir))
 
 
 @pytest.fixture(scope="module")
