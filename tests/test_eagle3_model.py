@@ -175,3 +175,92 @@ def test_runtime_matches_training_step0(tmp_path):
             if j < 2:
                 last, keys, vals = layer(last, tid, torch.tensor([[t + j]]), keys, vals)
     assert drafts == want
+
+
+def _runtime(seed=3, slots=8):
+    from types import SimpleNamespace
+
+    from kimi_perf.eagle3.runtime import DrafterRuntime
+    from kimi_perf.engines.reference.model import LlamaShape
+
+    m = tiny(seed=seed).float()
+    shape = LlamaShape(64, 30, 4, 2, 16, 128, 300, 1e-5, True, 512)
+    runner = SimpleNamespace(shape=shape, device=torch.device("cpu"), dtype=torch.float32, max_len=128,
+                             max_slots=slots, _attn_fp32=False, w=SimpleNamespace(embed=m.embed))
+    return DrafterRuntime(m, runner)
+
+
+def test_graph_shaped_chain_drafts_what_the_exact_shape_chain_drafts():
+    """The CUDA-graph body of the drafter: extend padded to k+1 entries, padding rows, a wider key
+    window. It must draft the tokens the exact-shape chain drafts and leave the real rows' caches as
+    the exact chain leaves them (checked by drafting a second round from each)."""
+    from types import SimpleNamespace
+
+    k = 3
+    rounds = [[(5, 2), (9, 4), (3, 1)], [(2, 4), (1, 1), (4, 3)]]  # per round: (cached before, pending) per row
+    results = []
+    for graph_shaped in (False, True):
+        rt = _runtime()
+        g = torch.Generator().manual_seed(0)
+        seqs = [SimpleNamespace(draft_feats=None, draft_tokens=[], draft_cache_len=0) for _ in range(3)]
+        # a first extend of different lengths per row (what follows prefills), exact-shape in both
+        for s, n in zip(seqs, (7, 11, 4)):
+            s.draft_feats = torch.randn(n, 192, generator=g)
+            s.draft_tokens = torch.randint(0, 300, (n,), generator=g).tolist()
+        out = [rt.propose(seqs, k)]
+        for rnd in rounds:
+            for s, (_, n) in zip(seqs, rnd):
+                s.draft_feats = torch.randn(n, 192, generator=g)
+                s.draft_tokens = torch.randint(0, 300, (n,), generator=g).tolist()
+            if not graph_shaped:
+                out.append(rt.propose(seqs, k))
+                continue
+            b, q = 4, k + 1  # one padding row, every row padded to k+1 pending entries
+            junk = torch.Generator().manual_seed(99)  # stale garbage beyond each row's width
+            feats = torch.randn(b, q, 192, generator=junk)
+            toks = torch.randint(0, 300, (b, q), generator=junk)
+            widths = [len(s.draft_tokens) for s in seqs] + [0]
+            base = [s.draft_cache_len for s in seqs] + [0]
+            for i, s in enumerate(seqs):
+                feats[i, : widths[i]] = s.draft_feats
+                toks[i, : widths[i]] = torch.tensor(s.draft_tokens)
+            d = rt.draft_chain(feats, toks, torch.tensor(base), torch.tensor(widths), k, 128)
+            for s, w in zip(seqs, widths):
+                s.draft_cache_len += w
+                s.draft_feats, s.draft_tokens = None, []
+            out.append(d[:3].tolist())
+        results.append(out)
+    assert results[0] == results[1]
+    assert len({tuple(map(tuple, r)) for r in results[0]}) > 1  # the rounds draft different tokens
+
+
+@pytest.mark.gpu
+def test_captured_drafter_chain_replays_the_eager_drafts():
+    """On CUDA: the captured propose chain (DrafterGraphs) drafts what the eager chain drafts, round
+    after round, including the first eager-only extend and a batch that needs a padding row."""
+    from types import SimpleNamespace
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    k = 3
+    outs = []
+    for graphs in (False, True):
+        rt = _runtime()
+        for name in ("fc", "qkv", "o", "gate_up", "down", "hidden_norm", "input_norm", "post_norm", "norm",
+                     "lm_head", "d2t", "embed", "cos", "sin", "_kpos", "k_cache", "v_cache"):
+            setattr(rt, name, getattr(rt, name).cuda())
+        rt.device = torch.device("cuda")
+        if graphs:
+            gr = rt.enable_cuda_graphs(max_bs=4, k=k, log=lambda m: None)
+        g = torch.Generator().manual_seed(0)
+        seqs = [SimpleNamespace(draft_feats=None, draft_tokens=[], draft_cache_len=0) for _ in range(3)]
+        out = []
+        for rnd in range(6):
+            for s in seqs:
+                n = 9 if rnd == 0 else int(torch.randint(1, k + 2, (1,), generator=g))
+                s.draft_feats = torch.randn(n, 192, generator=g).cuda()
+                s.draft_tokens = torch.randint(0, 300, (n,), generator=g).tolist()
+            out.append(rt.propose(seqs, k))
+        outs.append(out)
+    assert gr.replays == 5 and gr.fallbacks == 1  # the first round's 9-entry extend runs eagerly
+    assert outs[0] == outs[1]

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..engines.reference.model import cached_attention, make_slot_batch, rms_norm, rope_tables
+from ..engines.reference.model import cached_attention, make_slot_batch, rms_norm, rope_tables, slot_batch_from_tensors
 from .model import Eagle3Drafter, _rope_config, load_drafter
 
-__all__ = ["DrafterRuntime"]
+__all__ = ["DrafterGraphs", "DrafterRuntime"]
 
 
 class DrafterRuntime:
@@ -66,6 +66,7 @@ class DrafterRuntime:
         self.k_cache = torch.zeros(runner.max_slots, c.num_key_value_heads, runner.max_len + 1, c.head_dim,
                                    device=dev, dtype=dt)
         self.v_cache = torch.zeros_like(self.k_cache)
+        self.graphs: DrafterGraphs | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | Path, runner: Any) -> DrafterRuntime:
@@ -82,10 +83,13 @@ class DrafterRuntime:
     def forward(self, hidden_in: torch.Tensor, tokens: torch.Tensor, cache_lens: Seq[int],
                 q_lens: Seq[int]) -> torch.Tensor:
         """One drafter layer over slots [0, B): returns the pre-norm hidden [B, q, H]."""
-        c = self.cfg
-        h = F.linear(hidden_in, self.fc) if hidden_in.shape[-1] != c.hidden_size else hidden_in
         sb = make_slot_batch(0, cache_lens, q_lens, tokens.shape[1], max_len=self.max_len, cos_table=self.cos,
                              sin_table=self.sin, kpos=self._kpos, device=self.device)
+        return self._layer(hidden_in, tokens, sb)
+
+    def _layer(self, hidden_in: torch.Tensor, tokens: torch.Tensor, sb: Any) -> torch.Tensor:
+        c = self.cfg
+        h = F.linear(hidden_in, self.fc) if hidden_in.shape[-1] != c.hidden_size else hidden_in
         e = F.embedding(tokens, self.embed)
         x = torch.cat([rms_norm(e, self.input_norm, c.rms_norm_eps), rms_norm(h, self.hidden_norm, c.rms_norm_eps)], -1)
         attn = cached_attention(x, self.qkv, self.o, self.k_cache, self.v_cache, sb, heads=c.num_attention_heads,
@@ -98,6 +102,40 @@ class DrafterRuntime:
         d = F.linear(rms_norm(prenorm_rows, self.norm, self.cfg.rms_norm_eps), self.lm_head).argmax(-1)
         return d + self.d2t[d]
 
+    def draft_chain(self, feats: torch.Tensor, toks: torch.Tensor, c_t: torch.Tensor, n_t: torch.Tensor, k: int,
+                    window: int) -> torch.Tensor:
+        """Extend every row's cache with its ``n_t`` pending entries, then draft ``k`` tokens: [B, k].
+
+        Device tensors and static shapes only (one key ``window`` for every forward), so the same code
+        runs eagerly and inside a CUDA graph. A row with ``n_t = 0`` is padding: every write it makes
+        lands in the scratch position and its drafts are never read.
+        """
+        geo = dict(max_len=self.max_len, cos_table=self.cos, sin_table=self.sin, kpos=self._kpos)
+        pre = self._layer(feats, toks, slot_batch_from_tensors(0, c_t, n_t, toks.shape[1], window, **geo))
+        rows = torch.arange(toks.shape[0], device=toks.device)
+        last = pre[rows, (n_t - 1).clamp(min=0)]
+        cur = self._next(last)
+        out = [cur]
+        committed = c_t + n_t
+        active = (n_t > 0).long()
+        h = last[:, None, :]
+        for j in range(1, k):
+            sb = slot_batch_from_tensors(0, committed + (j - 1), active, 1, window, **geo)
+            h = self._layer(h, cur[:, None], sb)
+            cur = self._next(h[:, 0])
+            out.append(cur)
+        return torch.stack(out, dim=1)
+
+    def chain_window(self, base: Seq[int], widths: Seq[int], k: int) -> int:
+        """Keys the chain can see: the longest row's committed entries plus its k-1 draft entries."""
+        return min(self.max_len, max(b + w for b, w in zip(base, widths)) + k - 1)
+
+    def enable_cuda_graphs(self, *, max_bs: int, k: int, log: Any = print) -> DrafterGraphs:
+        """Capture the whole propose chain (extend + k draft steps) per batch bucket and key window."""
+        self.graphs = DrafterGraphs(self, max_bs=max_bs, k=k)
+        self.graphs.capture_all(log=log)
+        return self.graphs
+
     @torch.inference_mode()
     def propose(self, seqs: list[Any], k: int) -> list[list[int]]:
         """Extend each sequence's drafter cache with its pending entries, then draft ``k`` tokens."""
@@ -105,28 +143,93 @@ class DrafterRuntime:
         widths = [len(s.draft_tokens) for s in seqs]
         if min(widths) < 1:
             raise RuntimeError("a running sequence has no pending drafter input (engine bookkeeping bug)")
-        m = max(widths)
-        feat_dim = seqs[0].draft_feats.shape[-1]
-        feats = torch.zeros(bsz, m, feat_dim, device=self.device, dtype=self.k_cache.dtype)
-        toks = torch.zeros(bsz, m, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            feats[i, : widths[i]] = s.draft_feats
-            toks[i, : widths[i]] = torch.tensor(s.draft_tokens)
         base = [s.draft_cache_len for s in seqs]
-        pre = self.forward(feats, toks.to(self.device), base, widths)
-        last = pre[torch.arange(bsz, device=self.device), torch.tensor(widths, device=self.device) - 1]
-        cur = self._next(last)
-        out = [cur]
-        committed = [b + w for b, w in zip(base, widths)]
-        for s, cl in zip(seqs, committed):
-            s.draft_cache_len = cl
+        drafts = self.graphs.run(seqs, base, widths, k) if self.graphs is not None else None
+        if drafts is None:
+            m = max(widths)
+            feat_dim = seqs[0].draft_feats.shape[-1]
+            feats = torch.zeros(bsz, m, feat_dim, device=self.device, dtype=self.k_cache.dtype)
+            toks = torch.zeros(bsz, m, dtype=torch.long)
+            for i, s in enumerate(seqs):
+                feats[i, : widths[i]] = s.draft_feats
+                toks[i, : widths[i]] = torch.tensor(s.draft_tokens)
+            drafts = self.draft_chain(feats, toks.to(self.device), torch.tensor(base, device=self.device),
+                                      torch.tensor(widths, device=self.device), k, self.chain_window(base, widths, k))
+        for s, b, w in zip(seqs, base, widths):
+            s.draft_cache_len = b + w
             s.draft_feats = None
             s.draft_tokens = []
-        h = last[:, None, :]
-        for j in range(1, k):
-            pre = self.forward(h, cur[:, None], [cl + j - 1 for cl in committed], [1] * bsz)
-            h = pre
-            cur = self._next(pre[:, 0])
-            out.append(cur)
         # one device->host read for the whole chain: on a GPU every .tolist() is a sync
-        return torch.stack(out, dim=1).tolist()
+        return drafts[:bsz].tolist()
+
+
+class DrafterGraphs:
+    """The propose chain captured as CUDA graphs, keyed by (batch bucket, key window).
+
+    Why: the drafter is one small layer, so an eager chain of k draft steps is ~100 kernel launches
+    from Python, several times the GPU time it buys; on a small target (the embedded model on an H200)
+    that alone made speculative decoding slower than plain decoding. The extend part is padded to
+    ``k + 1`` pending entries per row (what a verify step leaves: accepted drafts + the bonus token);
+    a longer extend (the first round after a prefill) runs eagerly.
+    """
+
+    def __init__(self, rt: DrafterRuntime, *, max_bs: int, k: int) -> None:
+        from ..engines.reference.cuda_graphs import batch_buckets, window_buckets
+
+        self.rt = rt
+        self.k = k
+        self.q = k + 1
+        self.buckets = batch_buckets(min(max_bs, rt.max_slots))
+        self.windows = window_buckets(rt.max_len)
+        self.feat_dim = rt.fc.shape[1]
+        self.static: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.replays = 0
+        self.fallbacks = 0
+
+    @torch.inference_mode()
+    def capture_all(self, log: Any = print) -> None:
+        import time
+
+        rt, t0 = self.rt, time.monotonic()
+        stream = torch.cuda.Stream()
+        for b in sorted(self.buckets, reverse=True):
+            st = (torch.zeros(b, self.q, self.feat_dim, device=rt.device, dtype=rt.k_cache.dtype),
+                  torch.zeros(b, self.q, dtype=torch.long, device=rt.device),
+                  torch.zeros(b, dtype=torch.long, device=rt.device),
+                  torch.zeros(b, dtype=torch.long, device=rt.device))  # feats, toks, c_t, n_t (0: all padding)
+            self.static[b] = st
+            for t in sorted(self.windows, reverse=True):
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    rt.draft_chain(*st, self.k, t)  # warm-up outside the capture
+                torch.cuda.current_stream().wait_stream(stream)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool, stream=stream):
+                    out = rt.draft_chain(*st, self.k, t)
+                self.graphs[(b, t)] = (g, out)
+        torch.cuda.synchronize()
+        log(f"[kimi-ref] CUDA graphs: drafter chain captured for {len(self.graphs)} (batch, window) shapes, "
+            f"k={self.k}, in {time.monotonic() - t0:.1f}s")
+
+    def run(self, seqs: list[Any], base: Seq[int], widths: Seq[int], k: int) -> torch.Tensor | None:
+        bsz = len(seqs)
+        b = next((x for x in self.buckets if x >= bsz), None)
+        t = next((x for x in self.windows if x >= self.rt.chain_window(base, widths, k)), None)
+        if k != self.k or max(widths) > self.q or b is None or t is None:
+            self.fallbacks += 1
+            return None
+        feats, toks, c_t, n_t = self.static[b]
+        for i, s in enumerate(seqs):
+            feats[i, : widths[i]] = s.draft_feats
+        host_toks = torch.zeros(b, self.q, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            host_toks[i, : widths[i]] = torch.tensor(s.draft_tokens)
+        toks.copy_(host_toks, non_blocking=True)
+        c_t.copy_(torch.tensor(list(base) + [0] * (b - bsz)), non_blocking=True)
+        n_t.copy_(torch.tensor(list(widths) + [0] * (b - bsz)), non_blocking=True)
+        g, out = self.graphs[(b, t)]
+        g.replay()
+        self.replays += 1
+        return out

@@ -185,6 +185,9 @@ class ReferenceServer:
                                q_lens=sorted({1, spec_k + 1}),
                                aux_layers=drafter.aux_layers if drafter is not None else (),
                                log=lambda m: print(m, flush=True))
+            if drafter is not None:
+                drafter.enable_cuda_graphs(max_bs=min(a.cuda_graph_max_bs_decode, a.max_running_requests), k=spec_k,
+                                           log=lambda m: print(m, flush=True))
         eos = set()
         for src in (getattr(self.hf_tokenizer, "eos_token_id", None),):
             if isinstance(src, int):
