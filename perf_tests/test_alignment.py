@@ -115,7 +115,9 @@ def _planted(ext: HiddenStates, fault: str, alignment) -> tuple[HiddenStates, ob
     if fault == "fp8":
         import torch
 
-        L[mid] = torch.from_numpy(ext.layers[mid]).to(torch.float8_e4m3fn).float().numpy()
+        # saturate to e4m3's finite range first, as fp8 quantizers do: a bare cast of a value beyond
+        # +-448 is NaN in some torch releases (2.11 on the H200) and saturates in others (2.13)
+        L[mid] = torch.from_numpy(ext.layers[mid]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float().numpy()
         return HiddenStates(L, ext.token_ids, ext.provenance), mid, "precision loss: extracted values are rounded to fp8"
     raise ValueError(fault)
 
