@@ -41,7 +41,8 @@ def eagle3_ab(perf_session, target_model, server_pool, eagle3_drafter):
     for name, cfg in cfgs.items():
         # one unmeasured pass per server over *every* prompt, a few tokens each: each prompt length is
         # a new eager prefill/extend shape, and first-use costs (kernel selection, allocator growth)
-        # otherwise land in repeat 1. On the H200 a 2-prompt warm-up still left repeat 1 22-25% slower.
+        # otherwise land in repeat 1. On the H200 a 2-prompt warm-up still left repeat 1 15-17% slower
+        # for plain decoding and 37% for speculative.
         srv = server_pool.get(cfg)
         measure_generation(srv.base_url, srv.model, prompts, min(max_new, 8), name=f"eagle3-{name}-warmup")
     for r in range(perf_session.repeats):
