@@ -31,24 +31,31 @@ def test_single_stream_decode(perf_session, perf_server, prompt_factory, perf_ga
     """Batch-1 decode tok/s and TTFT: the latency a single user sees."""
     tp = _spec(perf_session)
     w = tp.single_stream
-    results = measure(perf_server, w, prompt_factory, perf_session.repeats, label=f"{perf_server.name} single-stream")
-    samples = samples_of(results, REPORTED)
-    perf_session.cache[("single", perf_server.name)] = samples["decode_tok_s"]  # reused by the floor test
+
+    def run(label):
+        samples = samples_of(measure(perf_server, w, prompt_factory, perf_session.repeats, label=label), REPORTED)
+        perf_session.cache[("single", perf_server.name)] = samples["decode_tok_s"]  # reused by the floor test
+        return samples
+
     perf_gate.check(scenario="single_stream", engine=perf_server.name, model=target_model.name, workload=w.key,
-                    concurrency=1, samples=samples, gated=tp.gated_single,
-                    engine_version=perf_server.version)
+                    concurrency=1, samples=run(f"{perf_server.name} single-stream"), gated=tp.gated_single,
+                    engine_version=perf_server.version,
+                    confirm=lambda: run(f"{perf_server.name} single-stream (confirming)"))
 
 
 def test_concurrency_sweep(perf_session, perf_server, prompt_factory, perf_gate, target_model, perf_concurrency):
     """Output throughput and TPOT at each concurrency level of the profile."""
     tp = _spec(perf_session)
     w = tp.sweep_workload(perf_concurrency)
-    results = measure(perf_server, w, prompt_factory, perf_session.repeats, label=f"{perf_server.name} sweep")
-    samples = samples_of(results, REPORTED)
-    perf_session.cache[("sweep", perf_server.name, perf_concurrency)] = samples["output_throughput"]
+
+    def run(label):
+        samples = samples_of(measure(perf_server, w, prompt_factory, perf_session.repeats, label=label), REPORTED)
+        perf_session.cache[("sweep", perf_server.name, perf_concurrency)] = samples["output_throughput"]
+        return samples
+
     perf_gate.check(scenario="throughput_sweep", engine=perf_server.name, model=target_model.name, workload=w.key,
-                    concurrency=perf_concurrency, samples=samples, gated=tp.gated_sweep,
-                    engine_version=perf_server.version)
+                    concurrency=perf_concurrency, samples=run(f"{perf_server.name} sweep"), gated=tp.gated_sweep,
+                    engine_version=perf_server.version, confirm=lambda: run(f"{perf_server.name} sweep (confirming)"))
 
 
 def test_batching_gain(perf_session, perf_server, prompt_factory, perf_gate, target_model):

@@ -65,6 +65,44 @@ def test_record_then_gate_then_fail(project):
     ])
 
 
+CONFIRM_TEST = '''
+import pytest
+
+calls = []
+
+@pytest.mark.perf
+def test_speed(perf_gate):
+    def again():
+        calls.append(1)
+        return {{"output_throughput": [{second}, {second}, {second}]}}
+    perf_gate.check(scenario="toy", engine="reference", model="toy-model", workload="w-1", concurrency=1,
+                    samples={{"output_throughput": [{first}, {first}, {first}]}}, gated=["output_throughput"],
+                    confirm=again)
+    assert len(calls) == {calls}
+'''
+
+
+def test_a_regression_must_show_twice_to_fail(project):
+    """A FAIL triggers one confirming measurement: a transient dip passes, a repeated one fails, and
+    a pass never re-measures."""
+    project.makepyfile(test_toy=TEST.format(speeds="100.0"))
+    run(project, "--perf-update-baselines").assert_outcomes(passed=1)
+    project.makepyfile(test_toy=CONFIRM_TEST.format(first=60.0, second=100.0, calls=1))
+    r = run(project)
+    r.assert_outcomes(passed=1)
+    r.stdout.fnmatch_lines(["*output_throughput FAIL on the first measurement*measuring again to confirm*",
+                            "*output_throughput*PASS*"])
+    run_file = json.loads((project.path / "perf-report" / "run.json").read_text())
+    assert run_file["results"][0]["extra"]["first_measurement"]["samples"]["output_throughput"] == [60.0] * 3
+    project.makepyfile(test_toy=CONFIRM_TEST.format(first=60.0, second=61.0, calls=1))
+    r = run(project)
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["*PerfRegression: performance regression in toy*",
+                            "*current 61.000*first measurement also FAIL (median 60)*"])
+    project.makepyfile(test_toy=CONFIRM_TEST.format(first=99.0, second=0.0, calls=0))
+    run(project).assert_outcomes(passed=1)
+
+
 def test_same_results_under_xdist(project):
     pytest.importorskip("xdist")
     project.makepyfile(test_toy=TEST.format(speeds="100.0, 50.0"))
