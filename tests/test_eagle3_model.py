@@ -197,7 +197,7 @@ def test_graph_shaped_chain_drafts_what_the_exact_shape_chain_drafts():
     from types import SimpleNamespace
 
     k = 3
-    rounds = [[(5, 2), (9, 4), (3, 1)], [(2, 4), (1, 1), (4, 3)]]  # per round: (cached before, pending) per row
+    rounds = [[2, 4, 1], [4, 1, 3]]  # per round: pending entries per row (accepted drafts + bonus, <= k+1)
     results = []
     for graph_shaped in (False, True):
         rt = _runtime()
@@ -209,7 +209,7 @@ def test_graph_shaped_chain_drafts_what_the_exact_shape_chain_drafts():
             s.draft_tokens = torch.randint(0, 300, (n,), generator=g).tolist()
         out = [rt.propose(seqs, k)]
         for rnd in rounds:
-            for s, (_, n) in zip(seqs, rnd):
+            for s, n in zip(seqs, rnd):
                 s.draft_feats = torch.randn(n, 192, generator=g)
                 s.draft_tokens = torch.randint(0, 300, (n,), generator=g).tolist()
             if not graph_shaped:
