@@ -71,6 +71,27 @@ def test_batching_does_not_change_outputs(model_dir, tok):
     assert together[:3] == alone
 
 
+def test_retiring_mid_batch_moves_one_cache_per_finished_sequence(model_dir, tok):
+    """Requests that end at different steps (as EOS-terminated ones do) leave holes anywhere in the
+    slot range; filling them from the top must keep every survivor's output and cost one cache copy
+    per finished sequence (a shift-down compaction cost ~n/2 per retirement)."""
+    from kimi_perf.engines.reference.engine import SamplingParams
+
+    prompts = [chat_ids(tok, p) for p in PROMPTS][:6]
+    lengths = [3, 30, 9, 30, 5, 30]  # slots 0, 2 and 4 retire first, at different steps
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
+    alone = [run_all(make_engine(model_dir), [p], n)[0] for p, n in zip(prompts, lengths)]
+    eng = make_engine(model_dir)
+    moves = []
+    real_move = eng.runner.move_slot
+    eng.runner.move_slot = lambda src, dst, n: (moves.append((src, dst)), real_move(src, dst, n))
+    together = run_all(eng, prompts, 0, params=params)
+    assert together == alone
+    assert all(len(o) == n for o, n in zip(together, lengths))
+    # three early finishers below the survivors' top: three copies at most, each upward-to-downward
+    assert 1 <= len(moves) <= 3 and all(src > dst for src, dst in moves), moves
+
+
 def test_hidden_state_capture_is_the_residual_entering_each_layer(model_dir, tok, hf_fp32):
     from kimi_perf.engines.reference.model import CaptureSpec, LlamaRunner
 
