@@ -7,8 +7,9 @@ sample is appended to ``samples.jsonl`` (flushed and fsynced per sample); a rest
 drops a torn last line, and generates only what is missing. Growing the dataset reuses every sample
 already made.
 
-Multi-turn MT-bench items (turn 2) are conditioned on the *regenerated* turn-1 response, so they are
-generated after their turn 1.
+Multi-turn items (turn t > 1) are conditioned on the *regenerated* greedy responses of their earlier
+turns, so each waits for its own conversation's earlier turns -- and only for those: the engine keeps
+a full batch instead of draining at every turn boundary.
 """
 
 from __future__ import annotations
@@ -223,14 +224,20 @@ def generate_samples(
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
                 sem = asyncio.Semaphore(cfg.concurrency)
-                for turn in sorted({i.turn for i in todo}):
-                    batch = [i for i in todo if i.turn == turn]
+                # Set when an item's sample is stored (or the item is skipped). A follow-up turn waits
+                # only for its own conversation's earlier greedy turns, not for every earlier turn:
+                # a barrier per turn left the engine with small, prefill-heavy batches and long tails.
+                finished = {i.id: asyncio.Event() for i in todo}
 
-                    async def one(item: PromptItem) -> None:
-                        nonlocal made
+                async def one(item: PromptItem) -> None:
+                    nonlocal made
+                    try:
                         replies = []
                         for t in range(1, item.turn):  # condition on regenerated earlier turns (greedy)
-                            prev = done.get(f"{item.conv_id}-t{t}")
+                            key = f"{item.conv_id}-t{t}"
+                            if key in finished:
+                                await finished[key].wait()
+                            prev = done.get(key)
                             if prev is None:
                                 return  # its turn 1 was skipped (too long): skip the follow-up too
                             replies.append(decode(prev.response_ids))
@@ -248,8 +255,11 @@ def generate_samples(
                             el = time.monotonic() - t0
                             log(f"drafter data: {made}/{len(todo)} generated ({el:.0f}s, "
                                 f"{sum(len(d.response_ids) for d in done.values()) / max(el, 1e-9):.0f} tok/s incl. reused)")
+                    finally:
+                        finished[item.id].set()
 
-                    await asyncio.gather(*(one(i) for i in batch))
+                # earlier turns first, so they queue for the semaphore ahead of the follow-ups they unblock
+                await asyncio.gather(*(one(i) for i in sorted(todo, key=lambda i: i.turn)))
         finally:
             app.close()
 

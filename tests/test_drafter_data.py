@@ -1,0 +1,79 @@
+"""Drafter data generation against a scripted ``/generate`` server: follow-up turns are conditioned
+on their own conversation's regenerated replies, and wait for nothing else.
+
+Why a scripted server: the property is about request ordering (a slow conversation must not hold
+back another conversation's next turn), which a real engine makes timing-dependent; here one
+conversation is made slow on purpose and every request's arrival and completion is recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def scripted_server(tok):
+    log: list[dict] = []
+
+    class H(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            text = tok.decode(req["input_ids"])
+            rec = {"text": text, "t_in": time.monotonic()}
+            log.append(rec)
+            if "SLOW" in text:
+                time.sleep(1.5)
+            n = len(log)
+            body = json.dumps({"output_ids": tok.encode(f" reply number {n}", add_special_tokens=False),
+                               "meta_info": {"finish_reason": {"type": "stop"}}}).encode()
+            rec["t_out"] = time.monotonic()
+            rec["reply"] = f" reply number {n}"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}", log
+    srv.shutdown()
+
+
+def test_a_follow_up_turn_waits_only_for_its_own_conversation(tok, scripted_server, tmp_path):
+    from kimi_perf.eagle3.data import DataConfig, PromptItem, generate_samples
+
+    url, log = scripted_server
+    items = [
+        PromptItem(id="a-t1", conv_id="a", source="sharegpt", split="train", turn=1, turns=("Say hello.",)),
+        PromptItem(id="b-t1", conv_id="b", source="sharegpt", split="train", turn=1, turns=("SLOW: count to 3.",)),
+        PromptItem(id="a-t2", conv_id="a", source="sharegpt", split="train", turn=2,
+                   turns=("Say hello.", "Now say goodbye.")),
+        PromptItem(id="b-t2", conv_id="b", source="sharegpt", split="train", turn=2,
+                   turns=("SLOW: count to 3.", "Now backwards.")),
+    ]
+    samples = generate_samples(url, tok, items, tmp_path / "samples.jsonl", DataConfig(concurrency=4))
+    assert set(samples) == {"a-t1", "a-t2", "b-t1", "b-t2"}
+    by = {}
+    for rec in log:
+        key = ("b" if "SLOW" in rec["text"] else "a") + ("-t2" if "Now " in rec["text"] else "-t1")
+        by[key] = rec
+    # each follow-up carries its own conversation's regenerated reply ...
+    assert by["a-t1"]["reply"] in by["a-t2"]["text"] and by["b-t1"]["reply"] in by["b-t2"]["text"]
+    assert tok.decode(samples["a-t1"].response_ids) in tok.decode(samples["a-t2"].prompt_ids)
+    # ... and a's turn 2 went out while b's slow turn 1 was still being served: no barrier per turn
+    assert by["a-t2"]["t_in"] < by["b-t1"]["t_out"], (
+        f"a-t2 was sent {by['a-t2']['t_in'] - by['b-t1']['t_out']:+.2f}s after the slow b-t1 finished")
+    assert by["b-t2"]["t_in"] >= by["b-t1"]["t_out"]
