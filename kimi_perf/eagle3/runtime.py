@@ -35,6 +35,13 @@ from .model import Eagle3Drafter, _rope_config, load_drafter
 __all__ = ["DrafterGraphs", "DrafterRuntime"]
 
 
+def _pack_pending(seqs: Seq[Any], widths: Seq[int], feats: torch.Tensor, host_toks: torch.Tensor) -> None:
+    """Row i of ``feats`` (device) and ``host_toks`` (host) gets sequence i's pending drafter entries."""
+    for i, s in enumerate(seqs):
+        feats[i, : widths[i]] = s.draft_feats
+        host_toks[i, : widths[i]] = torch.tensor(s.draft_tokens)
+
+
 class DrafterRuntime:
     def __init__(self, model: Eagle3Drafter, runner: Any) -> None:
         c = model.cfg
@@ -159,9 +166,7 @@ class DrafterRuntime:
             feat_dim = seqs[0].draft_feats.shape[-1]
             feats = torch.zeros(bsz, m, feat_dim, device=self.device, dtype=self.k_cache.dtype)
             toks = torch.zeros(bsz, m, dtype=torch.long)
-            for i, s in enumerate(seqs):
-                feats[i, : widths[i]] = s.draft_feats
-                toks[i, : widths[i]] = torch.tensor(s.draft_tokens)
+            _pack_pending(seqs, widths, feats, toks)
             drafts = self.draft_chain(feats, toks.to(self.device), torch.tensor(base, device=self.device),
                                       torch.tensor(widths, device=self.device), k, self.chain_window(base, widths, k))
         for s, b, w in zip(seqs, base, widths):
@@ -202,6 +207,8 @@ class DrafterGraphs:
     def capture_all(self, log: Any = print) -> None:
         import time
 
+        from ..engines.reference.cuda_graphs import capture_graph
+
         rt, t0 = self.rt, time.monotonic()
         stream = torch.cuda.Stream()
         for b in sorted(self.buckets, reverse=True):
@@ -211,14 +218,8 @@ class DrafterGraphs:
                   torch.zeros(b, dtype=torch.long, device=rt.device))  # feats, toks, c_t, n_t (0: all padding)
             self.static[b] = st
             for t in sorted(self.windows, reverse=True):
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    rt.draft_chain(*st, self.k, t)  # warm-up outside the capture
-                torch.cuda.current_stream().wait_stream(stream)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool, stream=stream):
-                    out = rt.draft_chain(*st, self.k, t)
-                self.graphs[(b, t)] = (g, out)
+                self.graphs[(b, t)] = capture_graph(lambda st=st, t=t: rt.draft_chain(*st, self.k, t),
+                                                    pool=self.pool, stream=stream)
         torch.cuda.synchronize()
         log(f"[kimi-ref] CUDA graphs: drafter chain captured for {len(self.graphs)} (batch, window) shapes, "
             f"k={self.k}, in {time.monotonic() - t0:.1f}s")
@@ -231,11 +232,8 @@ class DrafterGraphs:
             self.fallbacks += 1
             return None
         feats, toks, c_t, n_t = self.static[b]
-        for i, s in enumerate(seqs):
-            feats[i, : widths[i]] = s.draft_feats
         host_toks = torch.zeros(b, self.q, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            host_toks[i, : widths[i]] = torch.tensor(s.draft_tokens)
+        _pack_pending(seqs, widths, feats, host_toks)
         toks.copy_(host_toks, non_blocking=True)
         c_t.copy_(torch.tensor(list(base) + [0] * (b - bsz)), non_blocking=True)
         n_t.copy_(torch.tensor(list(widths) + [0] * (b - bsz)), non_blocking=True)

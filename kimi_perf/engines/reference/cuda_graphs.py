@@ -21,15 +21,15 @@ engine consumes them (argmax, copies of hidden rows) before the next forward.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from .model import CaptureSpec, LlamaRunner, RunnerOutput, slot_batch_from_tensors
 
-__all__ = ["GraphRunner", "batch_buckets", "enable_cuda_graphs", "window_buckets"]
+__all__ = ["GraphRunner", "batch_buckets", "capture_graph", "enable_cuda_graphs", "window_buckets"]
 
 
 def batch_buckets(max_bs: int) -> list[int]:
@@ -53,6 +53,25 @@ def window_buckets(max_len: int, smallest: int = 256) -> list[int]:
         t *= 2
     out.append(max_len)
     return out
+
+
+T = TypeVar("T")
+
+
+def capture_graph(body: Callable[[], T], *, pool: Any, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Run ``body`` once on ``stream`` as a warm-up, then capture it into a graph sharing ``pool``.
+
+    The warm-up runs outside the capture so lazy kernel selection and first allocations never end up
+    in the graph; the returned output tensors are the graph's static outputs.
+    """
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        body()
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool, stream=stream):
+        out = body()
+    return g, out
 
 
 @dataclass
@@ -115,14 +134,7 @@ class GraphRunner:
             return r.forward_batch(st.tokens, sb, capture=capture, logits=logits)
 
         st.n_t.zero_()  # every row a padding row while capturing: all cache writes go to scratch
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            body()  # warm-up: lazy kernel selection and allocations outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool, stream=stream):
-            out = body()
-        return _Graph(g, out)
+        return _Graph(*capture_graph(body, pool=self.pool, stream=stream))
 
     def run(self, tokens: torch.Tensor, cache_lens: Sequence[int], q_lens: Sequence[int], capture: CaptureSpec,
             logits: str) -> RunnerOutput | None:
