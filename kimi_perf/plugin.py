@@ -445,6 +445,10 @@ class PerfCollector:
         write_reports(s, minfo, commit)
         if not s.update:
             return
+        # a baseline measured on uncommitted code must not claim the commit it was built on
+        sha = commit.get("id")
+        if sha and commit.get("dirty"):
+            sha += "+dirty"
         entries = []
         for rec in s.results:
             # in update mode regressions do not fail, so a failed test failed for another reason:
@@ -457,7 +461,7 @@ class PerfCollector:
                          for m, v in rec["samples"].items() if v},
                 engine_version=rec.get("engine_version"),
                 recorded_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(rec.get("time", time.time()))),
-                commit=commit.get("id"), source=f"measured by {rec['nodeid']}",
+                commit=sha, source=f"measured by {rec['nodeid']}",
                 machine={"cpu": minfo.get("cpu"), "cpu_count": minfo.get("cpu_count"),
                          "gpus": [g["name"] for g in minfo.get("gpus", [])]},
                 extra=rec.get("extra") or {},

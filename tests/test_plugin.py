@@ -65,6 +65,27 @@ def test_record_then_gate_then_fail(project):
     ])
 
 
+def test_baseline_names_its_commit_and_marks_uncommitted_code(project):
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    project.makepyfile(test_toy=TEST.format(speeds="100.0"))
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a],  # noqa: E731
+                                    cwd=project.path, check=True, capture_output=True, text=True).stdout.strip()
+    git("init", "-q")
+    git("add", "test_toy.py", "profiles")
+    git("commit", "-qm", "toy")
+    sha = git("rev-parse", "HEAD")
+    entry = lambda: json.loads((project.path / "baselines" / "toy.json").read_text())["entries"][0]  # noqa: E731
+    run(project, "--perf-update-baselines").assert_outcomes(passed=1)
+    assert entry()["commit"] == sha
+    project.makepyfile(test_toy=TEST.format(speeds="100.0") + "\n# edited, not committed\n")
+    run(project, "--perf-update-baselines").assert_outcomes(passed=1)
+    assert entry()["commit"] == sha + "+dirty"
+
+
 CONFIRM_TEST = '''
 import pytest
 
