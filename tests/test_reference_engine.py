@@ -88,7 +88,7 @@ def test_retiring_mid_batch_moves_one_cache_per_finished_sequence(model_dir, tok
     together = run_all(eng, prompts, 0, params=params)
     assert together == alone
     assert all(len(o) == n for o, n in zip(together, lengths))
-    # three early finishers below the survivors' top: three copies at most, each upward-to-downward
+    # three early finishers below the survivors' top: three copies at most, each from a higher slot to a lower one
     assert 1 <= len(moves) <= 3 and all(src > dst for src, dst in moves), moves
 
 

@@ -226,7 +226,7 @@ def generate_samples(
                 sem = asyncio.Semaphore(cfg.concurrency)
                 # Set when an item's sample is stored (or the item is skipped). A follow-up turn waits
                 # only for its own conversation's earlier greedy turns, not for every earlier turn:
-                # a barrier per turn left the engine with small, prefill-heavy batches and long tails.
+                # a barrier per turn drained the engine's batch at every turn boundary.
                 finished = {i.id: asyncio.Event() for i in todo}
 
                 async def one(item: PromptItem) -> None:
