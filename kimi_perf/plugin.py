@@ -376,8 +376,7 @@ class PerfGate:
                                 f"{d.reason}; the first measurement's FAIL (median {was.current:.4g}) did not repeat")
                 decisions.append(d)
         if s.update:
-            decisions = [GateDecision(**{**asdict(d), "verdict": "UPDATED",
-                                         "reason": f"recorded as baseline (was: {d.verdict}, {d.reason})"})
+            decisions = [replace(d, verdict="UPDATED", reason=f"recorded as baseline (was: {d.verdict}, {d.reason})")
                          for d in decisions]
         self.decisions += decisions
         if confirmed_from is not None:
