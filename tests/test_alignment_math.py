@@ -87,11 +87,69 @@ def test_missing_layer_and_token_mismatch_errors():
         check_alignment(a, b, [2], threshold=0.9, norm_ratio_tol=0.1)
 
 
+REF = {"engine": "kimi-perf-reference", "num_layers": 30}
+
+
 def test_server_without_hidden_state_flags_names_the_flag():
     with pytest.raises(AlignmentSetupError, match="--enable-return-hidden-states"):
         _server_layers({"version": "0.5.23"})
+    with pytest.raises(AlignmentSetupError, match="--enable-return-hidden-states"):
+        _server_layers(REF)
+    with pytest.raises(AlignmentSetupError, match="mode last returns only the last token"):
+        _server_layers({"version": "0.5.17", "return_hidden_states_mode": "last"})
     assert _server_layers({"enable_return_hidden_states": True}) == ["final"]
-    assert _server_layers({"enable_return_aux_hidden_states": True, "return_aux_hidden_state_layer_ids": [2, 15, "final"]}) == [2, 15, "final"]
+    assert _server_layers({**REF, "enable_return_hidden_states": True}) == ["final"]
+    # the reference engine's ids already are "entering layer k" (and it has a "final" pseudo-layer)
+    assert _server_layers({**REF, "enable_return_aux_hidden_states": True,
+                           "return_aux_hidden_state_layer_ids": [2, 15, "final"]}) == [2, 15, "final"]
+
+
+# The suite compares in "residual stream entering layer k". SGLang-Llama id i = output of layer i =
+# entering layer i + 1 (LlamaForCausalLM.set_eagle3_layers_to_capture adds 1, LlamaModel.forward captures
+# before running the layer); SGLang-DeepSeek/Kimi adds 1 only when the first id is 1; no ids = the
+# default [2, N//2, N-3] unshifted. Same rule for 0.5.23's aux mode and for EAGLE-3 serving.
+@pytest.mark.parametrize("family, ids, layers", [
+    ("llama", [1, 14, 26], (2, 15, 27)),
+    ("llama", [2, 15, 27], (3, 16, 28)),
+    ("deepseek", [1, 14, 26], (2, 15, 27)),
+    ("deepseek", [2, 15, 27], (2, 15, 27)),
+    ("kimi", [1, 30, 57], (2, 31, 58)),
+    ("llama", None, (2, 15, 27)),
+    ("deepseek", None, (2, 15, 27)),
+])
+def test_sglang_layer_ids_map_to_the_suites_convention(family, ids, layers):
+    aux = {"version": "0.5.23", "enable_return_aux_hidden_states": True, "enable_return_hidden_states": True,
+           "return_aux_hidden_state_layer_ids": ids, "speculative_algorithm": None}
+    assert _server_layers(aux, model_family=family, num_layers=30) == list(layers)
+    served = {"version": "0.5.17", "enable_return_hidden_states": True, "speculative_algorithm": "EAGLE3",
+              "speculative_draft_model_path": "/nowhere"}
+    draft = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}} if ids is not None else {}
+    assert _server_layers(served, model_family=family, num_layers=30, draft_config=draft) == list(layers)
+
+
+def test_sglang_layer_mapping_needs_family_layers_and_drafter(tmp_path):
+    aux = {"version": "0.5.23", "enable_return_aux_hidden_states": True,
+           "return_aux_hidden_state_layer_ids": [1], "model_path": str(tmp_path)}
+    with pytest.raises(AlignmentSetupError, match="pass model_family='llama' or 'deepseek'"):
+        _server_layers(aux)
+    # the family and layer count come from the target's config.json when it is on this machine
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30}')
+    assert _server_layers(aux) == [2]
+    assert _server_layers({**aux, "return_aux_hidden_state_layer_ids": None}) == [2, 15, 27]
+    (tmp_path / "config.json").write_text('{"architectures": ["KimiK25ForConditionalGeneration"], '
+                                          '"text_config": {"num_hidden_layers": 61}}')
+    assert _server_layers({**aux, "return_aux_hidden_state_layer_ids": None}) == [2, 30, 58]
+    (tmp_path / "config.json").write_text('{"architectures": ["MixtralForCausalLM"]}')
+    with pytest.raises(AlignmentSetupError, match="no known SGLang aux-layer convention.*MixtralForCausalLM"):
+        _server_layers(aux)
+    with pytest.raises(AlignmentSetupError, match="layer count N is needed.*pass num_layers"):
+        _server_layers({**aux, "return_aux_hidden_state_layer_ids": None}, model_family="llama")
+    served = {"version": "0.5.17", "enable_return_hidden_states": True, "speculative_algorithm": "EAGLE3",
+              "speculative_draft_model_path": str(tmp_path / "no-drafter")}
+    with pytest.raises(AlignmentSetupError, match="drafter's aux layers.*pass draft_config"):
+        _server_layers(served, model_family="llama")
+    with pytest.raises(AlignmentSetupError, match="NGRAM.*not mapped"):
+        _server_layers({**served, "speculative_algorithm": "NGRAM"}, model_family="llama")
 
 
 def test_parse_sglang_layout():

