@@ -21,7 +21,7 @@ from .load.results import BenchResult
 from .load.workload import Workload
 from .progress import log
 
-__all__ = ["BenchFailure", "RunningServer", "measure", "samples_of"]
+__all__ = ["BenchFailure", "RunningServer", "check_errors", "fetch_version", "measure", "samples_of"]
 
 
 class BenchFailure(AssertionError):
@@ -73,6 +73,18 @@ class RunningServer:
 
 
 
+def fetch_version(srv: RunningServer) -> str | None:
+    """The engine's version from /version or /server_info (None when it reports neither)."""
+    for path, key in (("/version", "version"), ("/server_info", "version"), ("/get_server_info", "version")):
+        try:
+            data = srv.get_json(path, timeout=10)
+        except Exception:  # noqa: BLE001 - an engine without this endpoint: try the next
+            continue
+        if isinstance(data, dict) and data.get(key):
+            return str(data[key])
+    return None
+
+
 def measure(
     server: RunningServer,
     workload: Workload,
@@ -94,21 +106,29 @@ def measure(
         log(f"{label or server.name} c={workload.concurrency} repeat {i + 1}/{repeats}: "
                   f"{m.get('output_throughput', float('nan')):.1f} tok/s, TPOT p50 {m.get('tpot_ms_p50', float('nan')):.1f} ms, "
                   f"{int(m['num_failed'])} failed ({time.monotonic() - t0:.1f}s)")
-        rate = m["error_rate"]
-        if res.warmup_errors or rate > max_error_rate:
-            causes: dict[str, int] = {}
-            for e in [*res.errors, *res.warmup_errors]:
-                causes[e[:200]] = causes.get(e[:200], 0) + 1
-            death = server.death_note()
-            raise BenchFailure(
-                f"{label or server.name}: {int(m['num_failed'])}/{int(m['num_requests'])} requests failed "
-                f"(error rate {rate:.1%} > allowed {max_error_rate:.1%})"
-                + (f", {len(res.warmup_errors)} warm-up failures" if res.warmup_errors else "")
-                + "; metrics below are from completed requests only. Causes:\n  "
-                + "\n  ".join(f"{n}x {c}" for c, n in causes.items())
-                + (f"\n{death}" if death else ""))
+        check_errors(server, res, label or server.name, max_error_rate)
         results.append(res)
     return results
+
+
+def check_errors(server: RunningServer, res: BenchResult, label: str, max_error_rate: float = 0.0) -> None:
+    """Raise :class:`BenchFailure` when a repeat's error rate exceeds ``max_error_rate`` (or a warm-up
+    request failed), with the errors' causes and, if the server died, its exit code and log."""
+    m = res.metrics
+    rate = m["error_rate"]
+    if not res.warmup_errors and rate <= max_error_rate:
+        return
+    causes: dict[str, int] = {}
+    for e in [*res.errors, *res.warmup_errors]:
+        causes[e[:200]] = causes.get(e[:200], 0) + 1
+    death = server.death_note()
+    raise BenchFailure(
+        f"{label}: {int(m['num_failed'])}/{int(m['num_requests'])} requests failed "
+        f"(error rate {rate:.1%} > allowed {max_error_rate:.1%})"
+        + (f", {len(res.warmup_errors)} warm-up failures" if res.warmup_errors else "")
+        + "; metrics below are from completed requests only. Causes:\n  "
+        + "\n  ".join(f"{n}x {c}" for c, n in causes.items())
+        + (f"\n{death}" if death else ""))
 
 
 def samples_of(results: Sequence[BenchResult], metrics: Sequence[str]) -> dict[str, list[float]]:

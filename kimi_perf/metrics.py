@@ -74,6 +74,11 @@ _ALL = [
     _m("decode_floor_ratio", "fraction", "higher",
        "single-stream decode tok/s / (copy bandwidth / weight bytes), both measured in the same run"),
     _m("client_cpu_us_per_chunk", "us", "lower", "load-generator CPU time per streamed chunk"),
+    _m("engine_cpu_ms_per_tok", "ms", "lower",
+       "user+system CPU time of the server's whole process group during a repeat / its output tokens "
+       "(from /proc; steal time is not charged to it)"),
+    _m("host_steal_fraction", "fraction", "lower", "host CPU steal time / all CPU time during a repeat (/proc/stat)"),
+    _m("server_ready_s", "s", "lower", "launch to first healthy /health answer of a server"),
     # speculative decoding
     _m("accept_length", "tok/step", "higher", "tokens per verify step incl. bonus (SGLang spec_accept_length)"),
     _m("accept_rate", "fraction", "higher", "accepted drafts / proposed drafts (no bonus)"),
