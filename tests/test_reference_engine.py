@@ -213,18 +213,22 @@ def test_prefill_batching_policy(model_dir):
     assert eng._prefill_due()
 
 
-def test_planted_decode_slowdown_is_applied(model_dir, tok, monkeypatch):
-    """The switch the gate's end-to-end check uses (README: planted slowdown) really slows decoding."""
-    import time as _time
-
+def test_planted_slowdown_burns_that_fraction_of_each_decode_step(model_dir, tok, monkeypatch):
+    """The gate's power is proven with this switch (python -m kimi_perf.power): 25% means every decode
+    step burns a quarter of its own duration on the CPU, on top of it -- not a fixed sleep."""
     from kimi_perf.engines.reference.engine import PLANT_ENV
 
     prompts = [chat_ids(tok, PROMPTS[0])]
-    t0 = _time.perf_counter()
-    run_all(make_engine(model_dir), prompts, 12)
-    base = _time.perf_counter() - t0
-    monkeypatch.setenv(PLANT_ENV, "100")
-    t0 = _time.perf_counter()
-    run_all(make_engine(model_dir), prompts, 12)
-    slow = _time.perf_counter() - t0
-    assert slow - base > 11 * 0.1 * 0.9  # 11 decode steps after the prefill, 100 ms each
+    plain = make_engine(model_dir)
+    run_all(plain, prompts, 12)
+    assert plain.stats.planted_s == 0
+    monkeypatch.setenv(PLANT_ENV, "0.25")
+    slow = make_engine(model_dir)
+    run_all(slow, prompts, 12)
+    st = slow.stats
+    work = st.decode_s - st.planted_s
+    # 11 decode steps after the prefill; each burns 25% of what the step took before the burn
+    assert st.planted_s == pytest.approx(0.25 * work, rel=0.05), (st.planted_s, work)
+    monkeypatch.setenv(PLANT_ENV, "-1")
+    with pytest.raises(ValueError, match=PLANT_ENV):
+        make_engine(model_dir)

@@ -79,6 +79,9 @@ class ReferenceEngineConfig(EngineConfig):
     aux_layer_ids: tuple[int | str, ...] | None = None  # "final" = final-norm output
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 128
+    # the kimi_perf source tree the server runs from; None = this checkout. Set only by the A/B base
+    # side (--perf-ab git:REF, a worktree of another commit), never from a profile
+    source_root: str | None = None
 
     def argv(self, port: int) -> list[str]:
         a = [
@@ -110,7 +113,8 @@ class ReferenceEngineConfig(EngineConfig):
         return a + list(self.extra_args)
 
     def environ(self) -> dict[str, str]:
-        # the engine imports kimi_perf from this checkout even when it is not pip-installed
-        root = str(Path(__file__).resolve().parents[2])
+        # the engine imports kimi_perf from this checkout (or the A/B base's worktree) even when it is
+        # not pip-installed; PYTHONPATH comes before site-packages, so it also wins over an install
+        root = self.source_root or str(Path(__file__).resolve().parents[2])
         pp = os.pathsep.join(x for x in (root, os.environ.get("PYTHONPATH", "")) if x)
         return {"PYTHONPATH": pp, **dict(self.env)}

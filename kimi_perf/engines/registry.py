@@ -46,6 +46,9 @@ def build_engine_config(name: str, raw: Mapping[str, Any], *, model_path: str, s
     if "python" in raw:
         raise EngineConfigError(f"{source}: engines.{name}.python: a profile cannot choose the interpreter that "
                                 f"runs; pass --perf-{kind}-python PATH (or KIMI_PERF_{str(kind).upper()}_PYTHON)")
+    if "source_root" in raw:
+        raise EngineConfigError(f"{source}: engines.{name}.source_root: a profile cannot choose the code that "
+                                "runs; compare another commit with --perf-ab git:REF")
     host = {**raw, **(overrides or {})}.get("host", "127.0.0.1")
     if host not in LOOPBACK and not allow_remote_bind:
         raise EngineConfigError(f"{source}: engines.{name}.host {host!r} would serve beyond this machine; servers "

@@ -25,13 +25,18 @@ from typing import Any
 
 import torch
 
+from . import PLANT_ENV
 from .model import CaptureSpec, LlamaRunner
 
-__all__ = ["Engine", "EngineStats", "SamplingParams", "Sequence", "StepEvent"]
+__all__ = ["PLANT_ENV", "Engine", "EngineStats", "SamplingParams", "Sequence", "StepEvent"]
 
-# Test hook for the "planted slowdown" acceptance check of the gate: sleep this many ms per decode
-# step. Read once at engine start; never set in normal runs.
-PLANT_ENV = "KIMI_PERF_PLANT_DECODE_SLEEP_MS"
+# Test hook for proving the gate's power (python -m kimi_perf.power, the A/B planted-slowdown tests):
+# make every decode step X (a fraction: 0.10 = 10%) slower by burning CPU for X times the step's own
+# measured duration, right after the step. Busy work proportional to the step -- not a fixed sleep --
+# is what a real regression looks like: it scales with batch size and model, costs CPU time (so the
+# engine's CPU-per-token metric sees it too) and holds the GIL like the engine's own Python does.
+# Read once at engine start; never set in normal runs. (The name lives in the torch-free package
+# __init__ so the A/B planner can clear it for the base side.)
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,8 @@ class EngineStats:
     window_accepted: int = 0
     last_step_s: float = 0.0
     last_gen_throughput: float = 0.0
+    decode_s: float = 0.0  # time in decode/spec steps, planted slowdown included
+    planted_s: float = 0.0  # of which the planted slowdown (PLANT_ENV), for its own test
 
 
 class Engine:
@@ -150,7 +157,9 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.fatal: str | None = None
-        self._plant_s = float(os.environ.get(PLANT_ENV, "0") or 0) / 1000.0
+        self.plant = float(os.environ.get(PLANT_ENV, "0") or 0)
+        if not 0 <= self.plant < 10:
+            raise ValueError(f"{PLANT_ENV}={self.plant}: a fraction of each decode step, e.g. 0.10")
         self._ids = itertools.count()
         self._flush_requested = False
 
@@ -240,6 +249,9 @@ class Engine:
             events += self._prefill(admitted)
         elif self.running:
             events += self._spec_step() if self.spec_steps else self._decode_step()
+            if self.plant:
+                self._burn(self.plant * (time.perf_counter() - t0))
+            self.stats.decode_s += time.perf_counter() - t0
         self._retire()
         dt = time.perf_counter() - t0
         st = self.stats
@@ -250,6 +262,13 @@ class Engine:
             st.last_gen_throughput = new / dt
         if events and self.on_step:
             self.on_step(events)
+
+    def _burn(self, seconds: float) -> None:
+        """The planted slowdown (``PLANT_ENV``): spin on the CPU for ``seconds``."""
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+        self.stats.planted_s += seconds
 
     def _drop_cancelled(self) -> None:
         if any(s.cancelled for s in self._waiting):
@@ -366,8 +385,6 @@ class Engine:
     def _decode_step(self) -> list[StepEvent]:
         r = self.runner
         seqs = self.running
-        if self._plant_s:
-            time.sleep(self._plant_s)
         tokens = torch.tensor([[s.next_token] for s in seqs], dtype=torch.long, device=r.device)
         cap = self._capture_for(seqs)
         logits_mode = "all" if cap.final_norm else "last"  # q=1: "all" is one row, same cost
@@ -390,8 +407,6 @@ class Engine:
         r = self.runner
         seqs = self.running
         k = self.spec_steps
-        if self._plant_s:
-            time.sleep(self._plant_s)
         drafts = self.drafter.propose(seqs, k)  # [B, k] target-vocab ids, python lists
         tokens = torch.tensor([[s.next_token, *d] for s, d in zip(seqs, drafts)], dtype=torch.long, device=r.device)
         cap = self._capture_for(seqs)

@@ -396,6 +396,9 @@ class ReferenceServer:
         accept_len = (st.window_tokens / st.window_verify_ct) if st.window_verify_ct else None
         return web.json_response({
             **self.info, "version": __version__, "engine": ENGINE_NAME,
+            # which checkout this server runs (an A/B base runs from a worktree of another commit)
+            "source_root": str(Path(__file__).resolve().parents[3]),
+            "planted_slowdown": self.engine.plant,
             "internal_states": [{"avg_spec_accept_length": accept_len,
                                  "last_gen_throughput": st.last_gen_throughput}],
             **({"cuda_graph_replays": g.replays, "cuda_graph_fallbacks": g.fallbacks}
