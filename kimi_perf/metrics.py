@@ -2,7 +2,7 @@
 
 Why one registry: the gate must know whether "lower" is a regression, the report must print units, and
 a baseline file that names an unknown metric must be a clear error rather than a silent pass. The
-definitions follow the serving-benchmark anchors (NOTES.md section 5) exactly:
+definitions follow the serving-benchmark anchors (vllm/benchmarks/serve.py; docs/metrics.md) exactly:
 
 - TTFT: first streamed chunk *with content* minus send time.
 - TPOT: ``(E2EL - TTFT) / (completion_tokens - 1)`` with ``completion_tokens`` from the server's usage

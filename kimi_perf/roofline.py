@@ -39,7 +39,7 @@ class DecodeFloor:
 
 def copy_bandwidth_bytes_s(nbytes: int = 2 << 30, iters: int = 20, device: str = "cuda") -> float:
     """Device-to-device copy bandwidth, counting bytes read plus bytes written (the convention of the
-    4.26 TB/s H200 figure in NOTES.md s.7). Median of ``iters`` timed copies after warm-up."""
+    4.26 TB/s H200 figure in docs/sources.md). Median of ``iters`` timed copies after warm-up."""
     import torch
 
     if not torch.cuda.is_available():

@@ -5,7 +5,7 @@ occasional 3x stalls), so a fixed percentage threshold either cries wolf or slee
 regressions. The gate takes R repeats per run, compares medians, and FAILS only when the median is
 worse than ``max(floor, noise_mult * noise)`` *and* a one-sided Mann-Whitney U test on the repeat
 samples agrees (p <= alpha). When only the magnitude trips it WARNs. That is the asv / PyTorch
-dashboard recipe (NOTES.md section 5) reduced to what a per-merge gate can afford.
+dashboard recipe (asv/statistics.py, docs/metrics.md) reduced to what a per-merge gate can afford.
 
 ``noise`` is the larger of the baseline's and the current run's robust relative spread (MAD * 1.4826
 / |median|), so a run on a noisier machine widens its own tolerance instead of failing spuriously.

@@ -2,7 +2,7 @@
 
 Why our own implementation: SpecForge pins torch 2.11 + sglang + triton and speculators trains on CPU
 only with eager kernels, so neither can be the runtime dependency of a suite that must train on a
-2-core CPU box and on an H200 alike. The architecture follows NOTES.md section 4 exactly:
+2-core CPU box and on an H200 alike. The architecture follows SpecForge's llama3_eagle.py exactly:
 
 - features: the target's residual stream *entering* layers [2, N//2, N-3], concatenated [3H] and
   projected by ``fc`` (3H -> H, no bias);

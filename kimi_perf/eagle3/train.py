@@ -9,7 +9,7 @@ tokens/s, so a run is never silent.
 Targets: the target's distribution at each position restricted to the draft vocabulary, computed
 from the stored post-norm final hidden and the target's lm_head rows (``t2d``); positions whose
 predicted token is not an assistant token, or whose target argmax is outside the draft vocabulary,
-are masked (NOTES.md section 4).
+are masked (SpecForge specforge/core/eagle3.py).
 """
 
 from __future__ import annotations

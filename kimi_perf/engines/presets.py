@@ -25,7 +25,7 @@ SAFETY_ENV: Mapping[str, str] = {
 NCCL_PRESETS: Mapping[str, Mapping[str, str]] = {
     # NCCL's own choices
     "default": {},
-    # the set that made vLLM fast on 8x RTX PRO 6000 over PCIe (NOTES.md section 1)
+    # the set that made vLLM fast on 8x RTX PRO 6000 over PCIe (seed team's report, docs/sources.md)
     "seed-pcie-tuned": {
         "NCCL_PROTO": "LL",
         "NCCL_ALGO": "Ring",

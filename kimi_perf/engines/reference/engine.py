@@ -69,7 +69,7 @@ class Sequence:
     cancelled: bool = False
     error: str | None = None
     generator: torch.Generator | None = None
-    # speculative-decoding counters (SGLang meta_info / vLLM Prometheus definitions, NOTES.md s.2-4)
+    # speculative-decoding counters (SGLang meta_info / vLLM Prometheus definitions, docs/metrics.md)
     spec_verify_ct: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0

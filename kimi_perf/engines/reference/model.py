@@ -190,7 +190,7 @@ def random_llama_weights(shape: LlamaShape, dtype: torch.dtype, device: torch.de
     """Random weights (``--load-format dummy``): right shapes and bytes, meaningless values.
 
     Norm weights are drawn around 1 rather than set to 1, so a dropped or doubled final norm is
-    visible in hidden-state comparisons even on dummy weights (NOTES.md, vLLM section).
+    visible in hidden-state comparisons even on dummy weights (docs/metrics.md section 3).
     """
     gen = torch.Generator(device=device).manual_seed(seed)
     std = 0.02

@@ -3,7 +3,7 @@
 Why a server at all (and not an in-process engine): the suite measures engines the way users run
 them -- a separate process behind HTTP, streamed by a client -- so the reference engine, SGLang and
 vLLM go through the same launcher, client and metric code. The endpoints copy the shapes of SGLang
-0.5.23 and vLLM (NOTES.md sections 2, 3, 5): ``/health`` (503 while loading), ``/v1/models``,
+0.5.23 and vLLM (their http_server.py / api_server.py): ``/health`` (503 while loading), ``/v1/models``,
 ``/server_info``, ``/v1/completions`` and ``/v1/chat/completions`` (SSE with ``[DONE]`` and
 ``stream_options.include_usage``), SGLang-native ``/generate`` (``meta_info``, hidden states, spec
 fields), ``/flush_cache`` and Prometheus ``/metrics`` with vLLM's spec-decode counter names.
