@@ -6,4 +6,5 @@ pytest_plugins = [
     "fixtures.workloads",
     "fixtures.alignment",
     "fixtures.drafters",
+    "fixtures.ab",
 ]

@@ -125,6 +125,7 @@ def commit_info(cwd: str | Path | None = None) -> dict[str, Any]:
         "id": sha,
         "branch": git("rev-parse", "--abbrev-ref", "HEAD"),
         "time": git("show", "-s", "--format=%cI", "HEAD"),
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        # the run history (baselines/history/) is appended to by every run: that is not a code change
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)baselines/history")),
         "subject": git("show", "-s", "--format=%s", "HEAD"),
     }

@@ -27,15 +27,21 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from .ab.base import ABBase
+from .ab.config import ABConfigError
 from .baselines import BaselineEntry, BaselineError, BaselineKey, BaselineStore, MetricSamples
 from .machine import commit_info, gpu_info, hardware_key, machine_info
 from .metrics import METRICS, get_metric
 from .profiles import Profile, ProfileError, find_profile, load_profile
 from .stats import GateDecision, gate
+
+if TYPE_CHECKING:
+    from .ab.decide import ABDecision
+    from .ab.runner import ABOutcome
 
 PROP = "kimi_perf"
 MARKERS = {
@@ -43,6 +49,7 @@ MARKERS = {
     "alignment": "hidden-state agreement between an extraction path and an inference path",
     "eagle": "EAGLE-3 drafter acceptance and speedup",
     "gpu": "needs a CUDA GPU (skipped with a reason when none is visible)",
+    "ab": "same-run A/B against the base named by --perf-ab (deselected without it)",
 }
 
 
@@ -71,6 +78,8 @@ class PerfSession:
     drafter_path: str | None
     engine_pythons: dict[str, str]
     allow_remote_bind: bool = False
+    ab: ABBase | None = None  # --perf-ab: the base the ab-marked tests compare against
+    history_path: Path | None = None  # baselines/history/<profile>.jsonl, None = off
     results: list[dict[str, Any]] = field(default_factory=list)
     started: float = field(default_factory=time.time)
     gpus: list[dict[str, str]] = field(default_factory=list)
@@ -105,6 +114,7 @@ _INI: list[tuple[str, str, str]] = [
     ("perf_report_dir", "directory for the summary, run file, plots and server logs", "perf-report"),
     ("perf_baseline_dir", "directory of baselines/<profile>.json", "baselines"),
     ("perf_server_timeout", "seconds a server may take to become ready", "600"),
+    ("perf_history_dir", "directory of <profile>.jsonl run histories ('off' = none)", "baselines/history"),
 ]
 
 
@@ -147,6 +157,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--perf-sglang-python", default=None, metavar="PATH",
                 help="python interpreter of the environment that has SGLang (env KIMI_PERF_SGLANG_PYTHON; default "
                      ".venv-sglang/bin/python when present)")
+    g.addoption("--perf-ab", default=None, metavar="BASE",
+                help="compare the candidate (this checkout, the selected engines) with BASE in the same run, "
+                     "interleaved, and gate the headline metrics on the interval of their ratio; BASE is a "
+                     "variant of the profile, 'same' (A/A) or git:REF (this repository at REF, e.g. git:HEAD~1; "
+                     "reference engine). Runs the tests marked ab, which are deselected without it")
+    g.addoption("--perf-ab-python", default=None, metavar="PATH",
+                help="interpreter of the A/B base side, for variants with \"interpreter\": \"cli\" (e.g. a venv "
+                     "with another engine release)")
+    g.addoption("--perf-history", default=None, metavar="DIR|off",
+                help="append every run's medians (with commit, host, engine versions) to DIR/<profile>.jsonl for "
+                     "'python -m kimi_perf.history'; 'off' disables it (ini: perf_history_dir; default "
+                     "baselines/history)")
     for name, help_, default in _INI:
         parser.addini(name, help_, default=default)
 
@@ -198,6 +220,19 @@ def pytest_configure(config: pytest.Config) -> None:
     report_dir = Path(str(_opt(config, "perf_report_dir")))
     if not report_dir.is_absolute():
         report_dir = rootdir / report_dir
+    ab = None
+    ab_opt = config.getoption("--perf-ab")
+    if ab_opt:
+        from .ab.base import resolve_base
+
+        try:
+            ab = resolve_base(ab_opt, dict(profile.variants), rootdir, python=config.getoption("--perf-ab-python"))
+        except ABConfigError as e:
+            raise pytest.UsageError(str(e)) from None
+    hist = str(config.getoption("--perf-history") or config.getini("perf_history_dir")).strip()
+    history_path = None
+    if hist and hist.lower() != "off":
+        history_path = (Path(hist) if Path(hist).is_absolute() else rootdir / hist) / f"{profile.name}.jsonl"
     gpus = gpu_info()
     json_opt = config.getoption("--perf-json")
     pythons = {}
@@ -217,7 +252,7 @@ def pytest_configure(config: pytest.Config) -> None:
         json_path=Path(json_opt) if json_opt else None, server_timeout_s=timeout,
         model_override=config.getoption("--perf-model"), drafter_path=config.getoption("--perf-drafter"),
         engine_pythons={k: v for k, v in pythons.items() if v}, gpus=gpus,
-        allow_remote_bind=bool(config.getoption("--perf-allow-remote-bind")),
+        allow_remote_bind=bool(config.getoption("--perf-allow-remote-bind")), ab=ab, history_path=history_path,
     )
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(PerfCollector(config.stash[SESSION_KEY]), "kimi-perf-collector")
@@ -250,7 +285,10 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     base = f"{len(s.store.entries)} entries" if s.store.path.exists() else "none yet"
     return [f"kimi-perf: profile {s.profile.name} ({s.profile.hardware}), engines {','.join(s.engines)}, "
             f"repeats {s.repeats}, hardware {s.hardware}, baselines {s.store.path.name} ({base})"
-            + (", UPDATING baselines" if s.update else "")]
+            + (", UPDATING baselines" if s.update else "")] + (
+        [f"kimi-perf A/B: candidate = this checkout, base = {s.ab.label}; threshold {s.profile.ab.threshold:.1%}, "
+         f"blocks {s.profile.ab.min_blocks}-{s.profile.ab.max_blocks} x {s.profile.ab.repeats_per_block} pairs"
+         + (", relaunching servers every block" if s.profile.ab.relaunch else "")] if s.ab else [])
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -280,6 +318,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     s = config.stash.get(SESSION_KEY, None)
     if s is None:
         return
+    if s.ab is None:
+        # the A/B tests compare against a base only --perf-ab names; without it they are not part of the run
+        ab_items = [i for i in items if i.get_closest_marker("ab") is not None]
+        if ab_items:
+            items[:] = [i for i in items if i.get_closest_marker("ab") is None]
+            config.hook.pytest_deselected(items=ab_items)
     need = s.profile.min_gpus if s.profile.hardware == "cuda" else 0
     missing = []
     if len(s.gpus) < need:
@@ -402,6 +446,35 @@ class PerfGate:
         return decisions
 
 
+    def check_ab(self, outcome: ABOutcome, *, scenario: str, engine: str, model: str,
+                 extra: Mapping[str, Any] | None = None, fail: bool = True) -> list[ABDecision]:
+        """Record a same-run A/B outcome (every pair, every decision) and gate it: a FAIL raises
+        :class:`PerfRegression` naming metric, direction, base, candidate, interval and threshold; an
+        INCONCLUSIVE verdict is a :class:`PerfWarning` with its interval, never a silent pass."""
+        s = self.session
+        probes = outcome.probes
+        key = self.key(scenario=scenario, engine=engine, model=model,
+                       workload="+".join(p.workload.key for p in probes) or scenario,
+                       concurrency=max((p.workload.concurrency for p in probes), default=1))
+        ab = {**outcome.to_json(), "base_spec": s.ab.describe() if s.ab else None}
+        record = {
+            "nodeid": self.node.nodeid, "key": key.as_dict(), "engine_version": outcome.versions.get("candidate"),
+            "baseline_engine_version": outcome.versions.get("base"), "samples": {}, "decisions": [],
+            "ab": ab, "extra": dict(extra or {}), "time": time.time(),
+        }
+        self.node.user_properties.append((PROP, json.dumps(record, default=str)))
+        for d in outcome.decisions:
+            if d.verdict == "INCONCLUSIVE":
+                warnings.warn(PerfWarning(f"[A/B {engine} vs {outcome.base_label}] {d.message()}"), stacklevel=2)
+        fails = [d for d in outcome.decisions if d.verdict == "FAIL"]
+        if fails and fail:
+            raise PerfRegression(
+                f"performance regression in {scenario} [{engine}]: candidate ({outcome.candidate_label}) vs base "
+                f"({outcome.base_label}), measured in this run, {outcome.blocks} blocks, {outcome.wall_s:.0f}s:\n  "
+                + "\n  ".join(d.message() for d in fails))
+        return list(outcome.decisions)
+
+
 @pytest.fixture
 def perf_gate(request: pytest.FixtureRequest) -> PerfGate:
     """Gate measured samples against ``baselines/<profile>.json`` (see :meth:`PerfGate.check`)."""
@@ -442,6 +515,11 @@ class PerfCollector:
         session.config.hook.pytest_perf_update_machine_info(config=session.config, machine_info=minfo)
         commit = commit_info(s.rootdir)
         write_reports(s, minfo, commit)
+        if s.history_path is not None:
+            from .history import append_history, history_lines
+
+            append_history(s.history_path, history_lines(s.results, profile=s.profile.name, hardware=s.hardware,
+                                                         commit=commit, machine=minfo))
         if not s.update:
             return
         # a baseline measured on uncommitted code must not claim the commit it was built on
@@ -451,8 +529,9 @@ class PerfCollector:
         entries = []
         for rec in s.results:
             # in update mode regressions do not fail, so a failed test failed for another reason:
-            # its numbers are not trustworthy baselines
-            if rec.get("outcome") != "passed":
+            # its numbers are not trustworthy baselines; an A/B outcome compares two sides of one run
+            # and is no baseline at all
+            if rec.get("outcome") != "passed" or rec.get("ab"):
                 continue
             entries.append(BaselineEntry(
                 key=BaselineKey(**rec["key"]),
@@ -472,12 +551,19 @@ class PerfCollector:
         s = self.s
         if not s.results:
             return
-        from .report import summary_rows, text_table
+        from .report import AB_HEADERS, ab_detail_lines, ab_rows, summary_rows, text_table
 
         tr = terminalreporter
         tr.write_sep("=", f"kimi-perf summary: profile {s.profile.name}, hardware {s.hardware}, repeats {s.repeats}")
-        for line in text_table(summary_rows(s.results)).splitlines():
-            tr.write_line(line)
+        rows = summary_rows(s.results)
+        if rows or not ab_rows(s.results):
+            for line in text_table(rows).splitlines():
+                tr.write_line(line)
+        abr = ab_rows(s.results)
+        if abr:
+            tr.write_sep("-", "same-run A/B: candidate vs base, interleaved in this job")
+            for line in [*text_table(abr, AB_HEADERS).splitlines(), *ab_detail_lines(s.results)]:
+                tr.write_line(line)
         tr.write_line(f"report: {s.report_dir / 'summary.md'}  run file: {s.report_dir / 'run.json'}")
         if self.updated:
             tr.write_line(f"baselines updated: {self.updated[0]} ({self.updated[1]} entries)")

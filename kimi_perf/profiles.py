@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .ab.config import ABConfigError, ABSpec, Variant, parse_ab, parse_variants
 from .load.workload import Workload
 from .metrics import METRICS
 from .stats import GateConfig
@@ -22,6 +23,15 @@ from .stats import GateConfig
 __all__ = ["GateSpec", "ModelSpec", "Profile", "ProfileError", "ThroughputSpec", "find_profile", "load_profile"]
 
 DUMMY_SHAPES: dict[str, dict[str, Any]] = {
+    # a Llama small enough that the gate's own end-to-end tests (a planted slowdown must FAIL, an A/A
+    # must PASS) run a real server in seconds on a 2-core CPU; the embedded tokenizer's vocabulary
+    "tiny-llama": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 49152, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 2048, "tie_word_embeddings": True, "hidden_act": "silu",
+        "rope_theta": 10000.0, "bos_token_id": 1, "eos_token_id": 2,
+    },
     # Llama-3.1-8B's published shape; weights are random (--load-format dummy), the tokenizer is the
     # embedded model's (random-id workloads only need a vocabulary).
     "llama-3.1-8b": {
@@ -98,6 +108,9 @@ class Profile:
     # pin the baseline hardware key when the detected machine matches (GPU product names vary by SKU
     # and driver: "RTX PRO 6000 Blackwell Server Edition" vs "... Workstation Edition")
     hardware_match: Mapping[str, Any] = field(default_factory=dict)
+    # same-run A/B (--perf-ab): how to run and decide it here, and the named bases it can compare against
+    ab: ABSpec = field(default_factory=ABSpec)
+    variants: Mapping[str, Variant] = field(default_factory=dict)
 
     def hardware_key(self, detected_key: str, gpus: list[dict[str, str]]) -> str:
         m = self.hardware_match
@@ -111,7 +124,8 @@ class Profile:
 
 
 _TOP = {"name", "description", "hardware", "min_gpus", "model", "engines", "default_engines", "repeats",
-        "throughput", "gate", "eagle3", "alignment", "nccl", "sources", "hardware_match", "allreduce"}
+        "throughput", "gate", "eagle3", "alignment", "nccl", "sources", "hardware_match", "allreduce",
+        "ab", "variants"}
 
 
 def _e(path: Path, key: str, problem: str, fix: str) -> ProfileError:
@@ -262,12 +276,23 @@ def _load_profile(path: Path) -> Profile:
     ar = raw.get("allreduce", {})
     if ar:
         _check_allreduce(path, ar)
+    for section in ("ab", "variants"):
+        if section in raw and not isinstance(raw[section], dict):
+            raise _e(path, section, "must be an object", "see profiles/embedded-cpu.json")
+    try:
+        ab = parse_ab(raw.get("ab"), hardware=hw)
+    except ABConfigError as ex:
+        raise _e(path, "ab", str(ex), "see the 'Same-run A/B' section of the README") from None
+    try:
+        variants = parse_variants(raw.get("variants"), engines)
+    except ABConfigError as ex:
+        raise _e(path, "variants", str(ex), "see the 'Same-run A/B' section of the README") from None
     return Profile(
         name=name, path=Path(path), description=str(raw.get("description", "")), hardware=hw, min_gpus=min_gpus,
         model=model, engines=engines, default_engines=tuple(default), repeats=repeats, throughput=tp,
         gate=GateSpec(gcfg, {k: float(v) for k, v in floors.items()}), eagle3=raw.get("eagle3", {}),
         alignment=raw.get("alignment", {}), nccl=raw.get("nccl", {}), sources=raw.get("sources", {}),
-        hardware_match=hm, allreduce=ar,
+        hardware_match=hm, allreduce=ar, ab=ab, variants=variants,
     )
 
 

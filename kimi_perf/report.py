@@ -16,9 +16,11 @@ from typing import Any
 from .baselines import atomic_write_json
 from .stats import _fmt
 
-__all__ = ["summary_rows", "text_table", "markdown_table", "write_reports"]
+__all__ = ["ab_rows", "summary_rows", "text_table", "markdown_table", "write_reports"]
 
 HEADERS = ["test", "metric", "baseline", "current", "delta %", "tolerance", "verdict"]
+AB_HEADERS = ["test", "metric [probe]", "base", "candidate", "ratio", "interval", "threshold", "pairs/blocks",
+              "verdict"]
 
 
 def _short_test(nodeid: str) -> str:
@@ -45,12 +47,36 @@ def summary_rows(results: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-def text_table(rows: list[list[str]]) -> str:
+def ab_rows(results: list[dict[str, Any]]) -> list[list[str]]:
+    """One row per decided metric of every same-run A/B result; a side that failed shows as ERROR."""
+    rows = []
+    for rec in results:
+        ab = rec.get("ab")
+        if not ab:
+            continue
+        test = _short_test(rec["nodeid"])
+        for d in ab.get("decisions", []):
+            arrow = "↑" if d["direction"] == "higher" else "↓"
+            bound = 1 - d["threshold"] if d["direction"] == "higher" else 1 + d["threshold"]
+            ok = math.isfinite(d.get("ratio", float("nan")))
+            rows.append([
+                test, f"{d['metric']} {arrow} [{d['unit']}] [{d['probe']}]", _fmt(d["base"]), _fmt(d["candidate"]),
+                f"{d['ratio']:.3f}" if ok else "n/a",
+                f"[{d['ratio_lo']:.3f}, {d['ratio_hi']:.3f}] ({d['level']:.1%})" if ok else "n/a",
+                f"{'>' if d['direction'] == 'higher' else '<'}{bound:.3f}",
+                f"{d['n_pairs']}/{d['n_blocks']}", d["verdict"],
+            ])
+        if ab.get("error"):
+            rows.append([test, "(side failed)", "", "", "", "", "", f"-/{ab.get('blocks', 0)}", "ERROR"])
+    return rows
+
+
+def text_table(rows: list[list[str]], headers: list[str] = HEADERS) -> str:
     if not rows:
         return "(no gated results)"
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADERS)]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    out = [fmt.format(*HEADERS), "  ".join("-" * w for w in widths)]
+    out = [fmt.format(*headers), "  ".join("-" * w for w in widths)]
     out += [fmt.format(*r) for r in rows]
     counts: dict[str, int] = {}
     for r in rows:
@@ -59,12 +85,12 @@ def text_table(rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def markdown_table(rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+def markdown_table(rows: list[list[str]], headers: list[str] = HEADERS) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for r in rows:
         cells = [c.replace("|", "\\|") for c in r]
-        if r[-1] == "FAIL":
-            cells[-1] = "**FAIL**"
+        if r[-1] in ("FAIL", "ERROR", "INCONCLUSIVE"):
+            cells[-1] = f"**{r[-1]}**"
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -104,14 +130,78 @@ def _plot_throughput(results: list[dict[str, Any]], path: Path) -> Path | None:
     return path
 
 
+def ab_detail_lines(results: list[dict[str, Any]]) -> list[str]:
+    """Per A/B result: what was compared, how long it took, why it stopped, and each verdict's reason."""
+    out = []
+    for rec in results:
+        ab = rec.get("ab")
+        if not ab:
+            continue
+        redone = sum(p.get("redone", 0) for p in ab.get("pairs", []))
+        ready = [x["ready_s"] for x in ab.get("launches", []) if x.get("ready_s") is not None]
+        out.append(f"{_short_test(rec['nodeid'])}: candidate {ab.get('candidate')} "
+                   f"({(ab.get('versions') or {}).get('candidate') or '?'}) vs base {ab.get('base')} "
+                   f"({(ab.get('versions') or {}).get('base') or '?'}); {ab.get('blocks')} blocks in "
+                   f"{ab.get('wall_s', 0):.0f}s, {len(ready)} launches (ready {min(ready, default=0):.1f}-"
+                   f"{max(ready, default=0):.1f}s), {redone} pair(s) redone for host steal time; stopped: "
+                   f"{ab.get('stopped') or ab.get('error') or '?'}")
+        for d in ab.get("decisions", []):
+            out.append(f"  {d['metric']} [{d['probe']}] {d['verdict']}: {d['reason']}")
+    return out
+
+
+def _plot_ab(results: list[dict[str, Any]], path: Path) -> Path | None:
+    """Per-pair candidate/base ratios of every A/B metric, by block, with the interval and threshold."""
+    panels = [(rec, d) for rec in results if rec.get("ab") for d in rec["ab"].get("decisions", [])]
+    if not panels:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    for ax, (rec, d) in zip(axes[0], panels):
+        pairs = [p for p in rec["ab"]["pairs"] if p["probe"] == d["probe"]]
+        xs, ys = [], []
+        for p in pairs:
+            b, c = p["base"].get(d["metric"]), p["candidate"].get(d["metric"])
+            if b and c and math.isfinite(b) and math.isfinite(c) and b > 0:
+                xs.append(p["block"] + 0.15 * p["index"])
+                ys.append(c / b)
+        ax.scatter(xs, ys, s=14, color="tab:blue", label="pair ratio")
+        if math.isfinite(d["ratio"]):
+            ax.axhspan(d["ratio_lo"], d["ratio_hi"], color="tab:blue", alpha=0.15,
+                       label=f"{d['level']:.1%} interval")
+            ax.axhline(d["ratio"], color="tab:blue", lw=1)
+        bound = 1 - d["threshold"] if d["direction"] == "higher" else 1 + d["threshold"]
+        ax.axhline(bound, color="tab:red", ls="--", lw=1, label=f"threshold {bound:.3f}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_title(f"{d['metric']} [{d['probe']}]: {d['verdict']}", fontsize=9)
+        ax.set_xlabel("block")
+        ax.set_ylabel("candidate / base")
+        ax.legend(fontsize=7)
+        ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_reports(session: Any, machine: dict[str, Any], commit: dict[str, Any]) -> dict[str, Path]:
     out_dir: Path = session.report_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = summary_rows(session.results)
-    md = [f"## kimi-perf: profile `{session.profile.name}` on `{session.hardware}`", "",
-          markdown_table(rows), "",
-          f"repeats {session.repeats}; commit {commit.get('id', 'unknown')[:12]}"
-          + (" (dirty)" if commit.get("dirty") else "")]
+    md = [f"## kimi-perf: profile `{session.profile.name}` on `{session.hardware}`", ""]
+    if rows:
+        md += [markdown_table(rows), ""]
+    abr = ab_rows(session.results)
+    if abr:
+        md += ["### Same-run A/B (candidate vs base, interleaved in this job)", "",
+               markdown_table(abr, AB_HEADERS), "", *[f"- {ln.strip()}" for ln in ab_detail_lines(session.results)],
+               ""]
+    md += [f"repeats {session.repeats}; commit {commit.get('id', 'unknown')[:12]}"
+           + (" (dirty)" if commit.get("dirty") else "")]
     extra_md = [r["extra"].get("markdown") for r in session.results if r.get("extra", {}).get("markdown")]
     if extra_md:
         md += ["", *extra_md]
@@ -143,4 +233,7 @@ def write_reports(session: Any, machine: dict[str, Any], commit: dict[str, Any])
     png = _plot_throughput(session.results, out_dir / "throughput.png")
     if png is not None:
         written["plot"] = png
+    png = _plot_ab(session.results, out_dir / "ab_ratios.png")
+    if png is not None:
+        written["ab_plot"] = png
     return written

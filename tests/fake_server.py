@@ -1,6 +1,7 @@
 """A tiny stand-in server for launcher and client tests: ``python fake_server.py PORT MODE``.
 
-Modes: ok (200 after 1 s), never (503 forever), exit7 (exit code 7 after a log line), portbusy (bind
+Modes: ok (200 after 1 s), paced (streams tokens every FAKE_TOKEN_MS ms, times 1 + the planted
+slowdown KIMI_PERF_PLANT_SLOWDOWN, like the reference engine reads it: the A/B runner's tests), never (503 forever), exit7 (exit code 7 after a log line), portbusy (bind
 the given port fails like a real server), child (forks a grandchild that sleeps, prints its pid),
 ignore_term (ignores SIGTERM), sse (streams a fast completion for client benchmarks), faults (the
 first prompt id picks a fault, see FAULTS; for the client's failure accounting).
@@ -46,7 +47,7 @@ class H(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self):
-        ready = mode in ("ok", "child", "ignore_term", "sse", "portbusy", "faults") and time.monotonic() - t0 > 1.0
+        ready = mode in ("ok", "child", "ignore_term", "sse", "portbusy", "faults", "paced") and time.monotonic() - t0 > 1.0
         body = b"ok" if ready else b"loading"
         self.send_response(200 if ready else 503)
         self.send_header("Content-Length", str(len(body)))
@@ -58,6 +59,9 @@ class H(BaseHTTPRequestHandler):
         req = json.loads(self.rfile.read(n) or b"{}")
         toks = int(req.get("max_tokens", N_TOKENS))
         if mode == "faults" and self._fault(FAULTS.get((req.get("prompt") or [1])[0], "ok"), toks):
+            return
+        if mode == "paced":
+            self._paced(toks)
             return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -73,6 +77,21 @@ class H(BaseHTTPRequestHandler):
         self.wfile.flush()
         self.close_connection = True
 
+
+    def _paced(self, toks):
+        delay = float(os.environ.get("FAKE_TOKEN_MS", "5")) / 1000 * (1 + float(os.environ.get("KIMI_PERF_PLANT_SLOWDOWN", "0")))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        for _ in range(toks):
+            time.sleep(delay)
+            self.wfile.write(CHUNK)
+            self.wfile.flush()
+        usage = {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": toks, "total_tokens": toks + 1}}
+        self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        self.wfile.flush()
+        self.close_connection = True
 
     def _fault(self, kind, toks):
         """Serve one faulty response; False means 'serve normally'."""

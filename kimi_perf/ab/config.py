@@ -1,0 +1,167 @@
+"""A/B configuration as data: the profile's ``ab`` policy and its named ``variants``.
+
+Why in the profile: how hard to look (threshold, blocks, repeats, whether to relaunch servers between
+blocks) depends on the machine's noise, and what to compare against (a second engine release, an NCCL
+preset, a flag, a retrained drafter) depends on the deployment -- both are properties of a profile,
+reviewed like the rest of it. The command line only picks the base: ``--perf-ab NAME`` (a variant),
+``--perf-ab same`` (A/A: the candidate's own configuration twice) or ``--perf-ab git:REF`` (this
+repository at another commit, for the reference engine).
+
+A variant never chooses what runs: like an engine entry it may set engine settings and environment,
+but its interpreter comes from the command line (``--perf-ab-python``) and its source tree from git.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ABConfigError", "ABSpec", "Variant", "parse_ab", "parse_variants"]
+
+
+class ABConfigError(ValueError):
+    """A malformed ``ab`` / ``variants`` section or ``--perf-ab`` value; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class ABSpec:
+    """How an A/B comparison is run and decided on this profile's machine."""
+
+    threshold: float = 0.05  # a regression this large must FAIL (CPU 5% catches 10%; GPU 2.5% catches 5%)
+    alpha: float = 0.05  # family-wise: each of m gated metrics gets a 1 - alpha/m interval
+    repeats_per_block: int = 2  # pairs per block, in ABBA order
+    min_blocks: int = 3
+    max_blocks: int = 8
+    relaunch: bool = True  # fresh servers every block (the launch effect is part of the noise)
+    max_steal: float = 0.05  # redo a pair whose repeats saw more host steal time than this fraction
+    max_redo: int = 3  # redone pairs per block before a noisy pair is accepted (and flagged)
+    time_budget_s: float | None = None  # stop adding blocks after this much wall time
+    # metrics decided per probe: the headline family by default (the accept-length A/B gates
+    # accept_length on its own); every other client metric is recorded and reported, not decided
+    gated: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: {
+        "single_stream": ("decode_tok_s",), "top": ("output_throughput",)})
+    # short repeats: workload fields overriding the profile's throughput workloads in A/B runs
+    single_stream: Mapping[str, Any] = field(default_factory=dict)
+    top: Mapping[str, Any] = field(default_factory=dict)
+    top_concurrency: int | None = None  # default: the largest of throughput.concurrency
+    accept_prompts: int = 16  # held-out prompts for the accept-length A/B (each prompt is a pair)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not 0 < self.threshold < 1:
+            problems.append(f"threshold {self.threshold} (a fraction in (0, 1), e.g. 0.05)")
+        if not 0 < self.alpha < 1:
+            problems.append(f"alpha {self.alpha} (in (0, 1), e.g. 0.05)")
+        if self.repeats_per_block < 1:
+            problems.append(f"repeats_per_block {self.repeats_per_block} (>= 1)")
+        if not 2 <= self.min_blocks <= self.max_blocks:
+            problems.append(f"min_blocks {self.min_blocks} / max_blocks {self.max_blocks} (2 <= min <= max)")
+        if not 0 < self.max_steal <= 1:
+            problems.append(f"max_steal {self.max_steal} (a fraction in (0, 1])")
+        if self.max_redo < 0:
+            problems.append(f"max_redo {self.max_redo} (>= 0)")
+        if self.time_budget_s is not None and self.time_budget_s <= 0:
+            problems.append(f"time_budget_s {self.time_budget_s} (> 0 or null)")
+        if self.accept_prompts < 2:
+            problems.append(f"accept_prompts {self.accept_prompts} (>= 2)")
+        if problems:
+            raise ABConfigError("invalid " + "; ".join(problems))
+
+
+_WORKLOAD_OVERRIDES = {"num_prompts", "output_len", "input_len", "warmup"}
+
+
+def parse_ab(raw: Mapping[str, Any] | None, *, hardware: str) -> ABSpec:
+    """The profile's ``ab`` section (missing: the defaults for its hardware, GPU threshold 2.5%)."""
+    raw = dict(raw or {})
+    fields = set(ABSpec.__dataclass_fields__)
+    unknown = set(raw) - fields
+    if unknown:
+        raise ABConfigError(f"unknown key(s) {sorted(unknown)}; allowed: {sorted(fields)}")
+    for k in ("single_stream", "top"):
+        v = raw.get(k, {})
+        if not isinstance(v, Mapping) or set(v) - _WORKLOAD_OVERRIDES:
+            raise ABConfigError(f"{k}: {v!r} must be an object with keys from {sorted(_WORKLOAD_OVERRIDES)}")
+    if "gated" in raw:
+        from ..metrics import METRICS
+
+        g = raw["gated"]
+        ok = (isinstance(g, Mapping) and g and set(g) <= {"single_stream", "top"}
+              and all(isinstance(v, list) and all(isinstance(m, str) and m in METRICS for m in v) for v in g.values()))
+        if not ok:
+            raise ABConfigError(f"gated: {g!r} must map probe (single_stream, top) to a list of metric names, "
+                                'e.g. {"single_stream": ["decode_tok_s"], "top": ["output_throughput"]}')
+        raw["gated"] = {k: tuple(v) for k, v in g.items()}
+    raw.setdefault("threshold", 0.025 if hardware == "cuda" else 0.05)
+    for k in ("repeats_per_block", "min_blocks", "max_blocks", "max_redo", "accept_prompts", "top_concurrency"):
+        if k in raw and raw[k] is not None and (isinstance(raw[k], bool) or not isinstance(raw[k], int)):
+            raise ABConfigError(f"{k}: {raw[k]!r} must be an integer")
+    if "relaunch" in raw and not isinstance(raw["relaunch"], bool):
+        raise ABConfigError(f"relaunch: {raw['relaunch']!r} must be true (fresh servers every block) or false")
+    try:
+        return ABSpec(**raw)
+    except TypeError as e:
+        raise ABConfigError(str(e)) from None
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A named way to run an engine, used as the base side of an A/B comparison."""
+
+    name: str
+    engine: str | None = None  # profile engine name; None = the candidate's engine
+    settings: Mapping[str, Any] = field(default_factory=dict)  # engine setting overrides
+    env: Mapping[str, str] = field(default_factory=dict)
+    drafter: str | None = None  # EAGLE-3 checkpoint served by this side (accept-length A/B)
+    git_ref: str | None = None  # this repository at another commit (reference engine only)
+    interpreter: str = "candidate"  # "candidate" (the engine's usual env) or "cli" (--perf-ab-python)
+    description: str = ""
+
+    def describe(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name}
+        for k in ("engine", "drafter", "git_ref", "description"):
+            if getattr(self, k):
+                d[k] = getattr(self, k)
+        if self.settings:
+            d["settings"] = dict(self.settings)
+        if self.env:
+            d["env"] = dict(self.env)
+        if self.interpreter != "candidate":
+            d["interpreter"] = self.interpreter
+        return d
+
+
+SAME = "same"  # built-in: the candidate's own configuration (A/A)
+_VARIANT_KEYS = {"engine", "settings", "env", "drafter", "git", "interpreter", "description"}
+
+
+def parse_variants(raw: Mapping[str, Any] | None, engines: Mapping[str, Any]) -> dict[str, Variant]:
+    """The profile's ``variants`` section, validated against its engines."""
+    out: dict[str, Variant] = {}
+    for name, v in dict(raw or {}).items():
+        where = f"variants.{name}"
+        if name == SAME or name.startswith("git:"):
+            raise ABConfigError(f"{where}: the name {name!r} is reserved (--perf-ab same / git:REF are built in)")
+        if not isinstance(v, Mapping):
+            raise ABConfigError(f"{where}: must be an object with keys from {sorted(_VARIANT_KEYS)}")
+        unknown = set(v) - _VARIANT_KEYS
+        if unknown:
+            raise ABConfigError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_VARIANT_KEYS)}")
+        if "python" in dict(v.get("settings") or {}) or "source_root" in dict(v.get("settings") or {}):
+            raise ABConfigError(f"{where}.settings: a profile cannot choose what runs; give the base side's "
+                                "interpreter with --perf-ab-python (\"interpreter\": \"cli\")")
+        eng = v.get("engine")
+        if eng is not None and eng not in engines:
+            raise ABConfigError(f"{where}.engine {eng!r} is not an engine of this profile ({', '.join(engines)})")
+        interp = v.get("interpreter", "candidate")
+        if interp not in ("candidate", "cli"):
+            raise ABConfigError(f"{where}.interpreter {interp!r}: use \"candidate\" or \"cli\" (--perf-ab-python)")
+        env = v.get("env") or {}
+        settings = v.get("settings") or {}
+        if not isinstance(env, Mapping) or not isinstance(settings, Mapping):
+            raise ABConfigError(f"{where}: env and settings must be objects")
+        out[name] = Variant(name=name, engine=eng, settings=dict(settings),
+                            env={str(a): str(b) for a, b in env.items()}, drafter=v.get("drafter"),
+                            git_ref=v.get("git"), interpreter=interp, description=str(v.get("description", "")))
+    return out

@@ -1,0 +1,323 @@
+"""Interleaved same-run A/B: base and candidate servers measured in ABBA blocks until a verdict.
+
+Why interleave instead of "measure A, then measure B": the noise of a shared machine comes in
+stretches (a neighbour's burst, a stalled vCPU for a few repeats, a slower host for the whole job), and
+a comparison of two stretches measures the machine, not the change. Here every pair is two adjacent
+repeats with identical prompts, one per side, and the side that goes first alternates (ABBA), so a
+drift inside a block cancels in its mean. Servers are launched afresh every block when the profile says
+so (``ab.relaunch``): a launch has its own luck (memory layout, thread placement) that stays with the
+server, so a single launch per side is a persistent bias no number of repeats can average away.
+
+The runner owns only the schedule; starting and stopping servers, making prompts and deciding are
+given to it (:class:`Side`, ``prompts_for``, :func:`kimi_perf.ab.decide.decide`), so the pytest tests
+and the power study (``python -m kimi_perf.power``) run exactly the same comparison.
+
+Per repeat it records the client's metrics plus the engine's CPU time per output token and the host's
+steal fraction (:mod:`kimi_perf.procstat`); a pair measured while steal exceeded ``ab.max_steal`` is
+measured again (at most ``ab.max_redo`` times per block) and the report says how many were redone.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Protocol
+
+from ..bench import BenchFailure, RunningServer, check_errors
+from ..launcher import ServerError
+from ..load.client import run_workload
+from ..load.workload import Workload
+from ..metrics import METRICS
+from ..procstat import ProcessTreeCPU, host_cpu
+from ..progress import log
+from .config import ABSpec
+from .decide import ABDecision, decide, log_ratio
+
+__all__ = ["ABOutcome", "ABSideError", "PairRecord", "Probe", "Side", "measure_repeat", "run_ab", "run_ab_prompts", "stop_reason"]
+
+
+class Side(Protocol):
+    """One side of the comparison: how to get its server running, and how to stop it."""
+
+    role: str  # "base" | "candidate"
+    label: str  # what it is, for messages: "git:HEAD~1 (abc1234)", "reference (this checkout)"
+
+    def start(self) -> RunningServer: ...
+
+    def stop(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A workload measured on both sides every pair, and the metrics decided from it."""
+
+    name: str  # "single_stream", "c8"
+    workload: Workload
+    gated: tuple[str, ...]
+    reported: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PairRecord:
+    block: int
+    index: int
+    probe: str
+    first: str  # which side ran first: "base" or "candidate"
+    base: dict[str, float]
+    candidate: dict[str, float]
+    redone: int = 0  # times this pair was measured again for host steal time
+
+
+@dataclass
+class ABOutcome:
+    """Everything measured and decided; kept (and written to run.json) even when a side failed."""
+
+    base_label: str
+    candidate_label: str
+    spec: ABSpec
+    probes: tuple[Probe, ...]
+    pairs: list[PairRecord] = field(default_factory=list)
+    decisions: list[ABDecision] = field(default_factory=list)
+    launches: list[dict[str, Any]] = field(default_factory=list)
+    versions: dict[str, str | None] = field(default_factory=dict)
+    blocks: int = 0
+    wall_s: float = 0.0
+    stopped: str = ""
+    error: str | None = None
+
+    @property
+    def verdicts(self) -> dict[str, str]:
+        return {f"{d.probe}:{d.metric}": d.verdict for d in self.decisions}
+
+    def samples(self, role: str, probe: str, metric: str) -> list[float]:
+        return [getattr(p, role).get(metric, float("nan")) for p in self.pairs if p.probe == probe]
+
+    def block_log_ratios(self, probe: str, metric: str) -> list[list[float]]:
+        out: dict[int, list[float]] = {}
+        for p in self.pairs:
+            if p.probe == probe:
+                out.setdefault(p.block, []).append(log_ratio(p.base.get(metric, float("nan")),
+                                                             p.candidate.get(metric, float("nan"))))
+        return [out[b] for b in sorted(out)]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "base": self.base_label, "candidate": self.candidate_label, "spec": _jsonable(asdict(self.spec)),
+            "probes": [{"name": p.name, "workload": p.workload.to_dict(), "gated": list(p.gated)} for p in self.probes],
+            "pairs": [asdict(p) for p in self.pairs], "decisions": [asdict(d) for d in self.decisions],
+            "launches": self.launches, "versions": self.versions, "blocks": self.blocks,
+            "wall_s": self.wall_s, "stopped": self.stopped, "error": self.error,
+        }
+
+
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: (dict(v) if hasattr(v, "items") else list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
+
+
+class ABSideError(RuntimeError):
+    """One side could not be measured (did not start, died, requests failed). Carries the partial
+    outcome so nothing measured is lost."""
+
+    def __init__(self, role: str, label: str, cause: str, fix: str, outcome: ABOutcome) -> None:
+        super().__init__(f"A/B {role} side [{label}]: {cause}\nFix: {fix}")
+        self.role = role
+        self.outcome = outcome
+
+
+_FIX = {
+    "base": ("the base is what the candidate is compared against: check that it still starts on this machine "
+             "(its server log above), or pick another base (--perf-ab NAME|same|git:REF)"),
+    "candidate": "the candidate (this checkout) did not run: fix it first; its log is above",
+}
+
+
+def measure_repeat(server: RunningServer, workload: Workload, prompts: Sequence[Sequence[int]],
+                   *, label: str = "") -> dict[str, float]:
+    """One repeat with the engine's CPU time and the host's steal fraction next to the client's metrics."""
+    pgid = None
+    if server.process is not None and server.process.pid is not None:
+        try:
+            pgid = os.getpgid(server.process.pid)
+        except ProcessLookupError:
+            pgid = None
+    cpu = ProcessTreeCPU.begin(pgid) if pgid is not None else None
+    h0 = host_cpu()
+    res = run_workload(server.base_url, server.model, prompts, workload, warmup_prompts=[])
+    h1 = host_cpu()
+    cpu_s = cpu.elapsed() if cpu is not None else None
+    check_errors(server, res, label)
+    m = {k: float(v) for k, v in res.metrics.items()}
+    toks = m.get("total_output_tokens", 0.0)
+    m["engine_cpu_ms_per_tok"] = cpu_s / toks * 1000 if (cpu_s is not None and toks) else float("nan")
+    steal = h1.steal_fraction_since(h0) if (h0 is not None and h1 is not None) else None
+    m["host_steal_fraction"] = float("nan") if steal is None else steal
+    return m
+
+
+def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
+           prompts_for: Callable[[Workload, int], Sequence[Sequence[int]]], *,
+           on_block: Callable[[ABOutcome], None] | None = None) -> ABOutcome:
+    """Measure blocks until every gated metric is decided, one FAILs, or the budget is spent."""
+    out = ABOutcome(base_label=base.label, candidate_label=candidate.label, spec=spec, probes=tuple(probes))
+    family = sum(len(p.gated) for p in probes)
+    t0 = time.monotonic()
+    sides = {"base": base, "candidate": candidate}
+    running: dict[str, RunningServer] = {}
+    pair_serial = 0
+
+    def launch(role: str, block: int) -> None:
+        t = time.monotonic()
+        try:
+            srv = sides[role].start()
+        except (ServerError, BenchFailure) as e:
+            out.error = f"{role} did not start: {e}"
+            raise ABSideError(role, sides[role].label, f"server did not start: {e}", _FIX[role], out) from None
+        running[role] = srv
+        out.versions[role] = srv.version
+        ready = getattr(srv.process, "ready_s", None)
+        out.launches.append({"role": role, "block": block, "ready_s": ready, "wall_s": time.monotonic() - t})
+        for p in probes:  # first-use costs (allocator growth, kernel selection) stay out of the pairs
+            # one full batch of short requests: the probe's prefill and decode shapes, a few seconds
+            warm_w = replace(p.workload, num_prompts=p.workload.concurrency, output_len=min(8, p.workload.output_len))
+            try:
+                measure_repeat(srv, warm_w, prompts_for(warm_w, 10_000 + block), label=f"{role} {p.name} warm-up")
+            except BenchFailure as e:
+                out.error = f"{role} failed its warm-up: {e}"
+                raise ABSideError(role, sides[role].label, f"warm-up failed: {e}", _FIX[role], out) from None
+
+    def stop_all() -> None:
+        for role in list(running):
+            sides[role].stop()
+            running.pop(role)
+
+    def one(role: str, probe: Probe, prompts: Sequence[Sequence[int]]) -> dict[str, float]:
+        try:
+            return measure_repeat(running[role], probe.workload, prompts, label=f"A/B {role} {probe.name}")
+        except BenchFailure as e:
+            out.error = f"{role} failed during measurement: {e}"
+            raise ABSideError(role, sides[role].label, f"requests failed: {e}", _FIX[role], out) from None
+
+    try:
+        for b in range(spec.max_blocks):
+            order = ("base", "candidate") if b % 2 == 0 else ("candidate", "base")
+            if spec.relaunch or b == 0:
+                stop_all()
+                for role in order:  # alternate which side launches first, too
+                    launch(role, b)
+            redo_left = spec.max_redo
+            for i in range(spec.repeats_per_block):
+                first, second = order if i % 2 == 0 else order[::-1]
+                for probe in probes:
+                    prompts = prompts_for(probe.workload, pair_serial)
+                    redone = 0
+                    while True:
+                        r = {first: one(first, probe, prompts), second: one(second, probe, prompts)}
+                        steal = max((v for v in (r["base"]["host_steal_fraction"], r["candidate"]["host_steal_fraction"])
+                                     if math.isfinite(v)), default=0.0)
+                        if steal <= spec.max_steal or redo_left <= 0:
+                            break
+                        redo_left -= 1
+                        redone += 1
+                        log(f"A/B block {b + 1} pair {i + 1} {probe.name}: host steal {steal:.1%} > "
+                            f"{spec.max_steal:.0%} (ab.max_steal): measuring the pair again")
+                    out.pairs.append(PairRecord(b, i, probe.name, first, r["base"], r["candidate"], redone))
+                    pair_serial += 1
+                    log(f"A/B block {b + 1}/{spec.max_blocks} pair {i + 1}/{spec.repeats_per_block} {probe.name}: "
+                        + ", ".join(f"{m} base {r['base'].get(m, float('nan')):.4g} candidate "
+                                    f"{r['candidate'].get(m, float('nan')):.4g}" for m in probe.gated)
+                        + f" ({time.monotonic() - t0:.0f}s)")
+            out.blocks = b + 1
+            final = b + 1 >= spec.max_blocks or (spec.time_budget_s is not None
+                                                 and time.monotonic() - t0 >= spec.time_budget_s)
+            out.decisions = _decide_all(out, family, final=final)
+            out.wall_s = time.monotonic() - t0
+            _log_block(out)
+            if on_block is not None:
+                on_block(out)
+            out.stopped = stop_reason(out.decisions, out.blocks, spec, final=final,
+                                      time_spent=b + 1 < spec.max_blocks)
+            if out.stopped:
+                break
+        if out.stopped and out.decisions and not any(d.verdict == "FAIL" for d in out.decisions):
+            out.decisions = _decide_all(out, family, final=True)
+    finally:
+        stop_all()
+        out.wall_s = time.monotonic() - t0
+    return out
+
+
+def run_ab_prompts(base: Side, candidate: Side, prompts: Sequence[Sequence[int]], metric: str, spec: ABSpec,
+                   measure: Callable[[RunningServer, Sequence[int]], float], *, probe: str) -> ABOutcome:
+    """A/B of a metric that is deterministic for a given prompt (EAGLE-3 accept length under greedy
+    decoding): repeats would only copy the same number, so the replication unit is the *prompt*. Each
+    prompt is measured once per side (the side going first alternates) and is its own block; the
+    interval says how the candidate/base ratio varies over the prompt population. Servers are launched
+    once: a launch cannot change a deterministic count."""
+    w = Workload(name=probe, dataset="mtbench", input_len=max(len(p) for p in prompts), num_prompts=len(prompts))
+    pr = Probe(name=probe, workload=w, gated=(metric,))
+    out = ABOutcome(base_label=base.label, candidate_label=candidate.label, spec=spec, probes=(pr,))
+    sides = {"base": base, "candidate": candidate}
+    running: dict[str, RunningServer] = {}
+    t0 = time.monotonic()
+    try:
+        for role in ("base", "candidate"):
+            t = time.monotonic()
+            try:
+                running[role] = sides[role].start()
+            except ServerError as e:
+                out.error = f"{role} did not start: {e}"
+                raise ABSideError(role, sides[role].label, f"server did not start: {e}", _FIX[role], out) from None
+            out.versions[role] = running[role].version
+            out.launches.append({"role": role, "block": 0, "wall_s": time.monotonic() - t,
+                                 "ready_s": getattr(running[role].process, "ready_s", None)})
+        for i, p in enumerate(prompts):
+            order = ("base", "candidate") if i % 2 == 0 else ("candidate", "base")
+            vals = {}
+            for role in order:
+                try:
+                    vals[role] = float(measure(running[role], p))
+                except (BenchFailure, RuntimeError, OSError) as e:
+                    out.error = f"{role} failed on prompt {i}: {e}"
+                    raise ABSideError(role, sides[role].label, f"measurement failed: {e}", _FIX[role], out) from None
+            out.pairs.append(PairRecord(i, 0, probe, order[0], {metric: vals["base"]}, {metric: vals["candidate"]}))
+            out.blocks = i + 1
+        out.decisions = _decide_all(out, 1, final=True)
+        out.stopped = f"all {len(prompts)} prompts measured"
+    finally:
+        for role in list(running):
+            sides[role].stop()
+        out.wall_s = time.monotonic() - t0
+    _log_block(out)
+    return out
+
+
+def stop_reason(decisions: Sequence[ABDecision], blocks: int, spec: ABSpec, *, final: bool,
+                time_spent: bool = False) -> str:
+    """Why the comparison stops after ``blocks`` blocks ("" = measure another block). One FAIL is
+    enough for a merge gate; a PASS needs every metric decided."""
+    if blocks >= spec.min_blocks:
+        if any(d.verdict == "FAIL" for d in decisions):
+            return "a gated metric FAILED"
+        if all(d.verdict == "PASS" for d in decisions):
+            return "every gated metric decided"
+    if final:
+        return "time budget (ab.time_budget_s) spent" if time_spent else "block budget (ab.max_blocks) spent"
+    return ""
+
+
+def _decide_all(out: ABOutcome, family: int, *, final: bool) -> list[ABDecision]:
+    s = out.spec
+    return [decide(METRICS[m], p.name, out.block_log_ratios(p.name, m), out.samples("base", p.name, m),
+                   out.samples("candidate", p.name, m), threshold=s.threshold, alpha=s.alpha, family=family,
+                   min_blocks=s.min_blocks, final=final)
+            for p in out.probes for m in p.gated]
+
+
+def _log_block(out: ABOutcome) -> None:
+    parts = [f"{d.metric}[{d.probe}] " + (f"x{d.ratio:.3f} [{d.ratio_lo:.3f}, {d.ratio_hi:.3f}] {d.verdict}"
+                                          if math.isfinite(d.ratio) else "no interval yet")
+             for d in out.decisions]
+    log(f"A/B block {out.blocks}/{out.spec.max_blocks} ({out.wall_s:.0f}s): " + "; ".join(parts))

@@ -1,0 +1,293 @@
+"""The same-run A/B gate's parts: the interval and sequential decision, the profile's ab/variants
+sections, ``--perf-ab`` resolution (variants, git refs, shallow clones), the base side's config, and
+the ABBA schedule run against real (tiny, paced) servers."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from kimi_perf.ab.base import base_engine_config, resolve_base
+from kimi_perf.ab.config import ABConfigError, ABSpec, parse_ab, parse_variants
+from kimi_perf.ab.decide import block_t_interval, decide
+from kimi_perf.ab.gitref import ensure_worktree, resolve_ref
+from kimi_perf.engines.base import ReferenceEngineConfig, SpecConfig
+from kimi_perf.engines.reference import PLANT_ENV
+from kimi_perf.metrics import get_metric
+
+TP = get_metric("output_throughput")  # higher is better
+LAT = get_metric("tpot_ms_p50")  # lower is better
+HERE = Path(__file__).parent
+
+
+def blocks_of(shift: float, sd: float, n_blocks: int, per_block: int = 2, seed: int = 0) -> list[list[float]]:
+    rng = np.random.default_rng(seed)
+    return [list(shift + sd * rng.standard_normal(per_block)) for _ in range(n_blocks)]
+
+
+# -- the interval ---------------------------------------------------------------------------------
+
+
+def test_block_t_interval_is_the_t_interval_of_block_means():
+    blocks = [[0.01, 0.03], [-0.02, 0.0], [0.05, 0.01], [0.02, 0.02]]
+    iv = block_t_interval(blocks, 0.95)
+    means = [np.mean(b) for b in blocks]
+    lo, hi = sps.t.interval(0.95, len(means) - 1, loc=np.mean(means), scale=sps.sem(means))
+    assert (iv.lo, iv.hi) == pytest.approx((lo, hi))
+    assert iv.n_blocks == 4 and iv.n_pairs == 8 and iv.ratio == pytest.approx(math.exp(np.mean(means)))
+
+
+def test_one_block_gives_no_interval_and_nan_pairs_are_dropped():
+    assert block_t_interval([[0.1, 0.2]], 0.95) is None
+    iv = block_t_interval([[0.1, float("nan")], [0.2], [float("nan")]], 0.95)
+    assert iv is not None and iv.n_blocks == 2 and iv.n_pairs == 2
+
+
+# -- the decision ---------------------------------------------------------------------------------
+
+
+def _decide(metric, blocks, *, final=False, threshold=0.05, family=1, min_blocks=3):
+    return decide(metric, "p", blocks, [100.0], [100.0], threshold=threshold, alpha=0.05, family=family,
+                  min_blocks=min_blocks, final=final)
+
+
+def test_no_change_passes_a_20pct_slowdown_fails_and_the_message_has_everything():
+    assert _decide(TP, blocks_of(0.0, 0.01, 4)).verdict == "PASS"
+    d = _decide(TP, blocks_of(math.log(0.8), 0.01, 4))
+    assert d.verdict == "FAIL" and d.ratio == pytest.approx(0.8, rel=0.02) and d.ratio_hi < 0.95
+    msg = d.message()
+    for part in ("output_throughput", "higher is better", "tok/s", "base", "candidate", "ratio 0.8",
+                 "interval [", "threshold 0.950", "4 blocks", "FAIL"):
+        assert part in msg, (part, msg)
+
+
+def test_lower_is_better_metrics_fail_when_the_candidate_takes_longer():
+    assert _decide(LAT, blocks_of(math.log(1.25), 0.01, 4)).verdict == "FAIL"
+    assert _decide(LAT, blocks_of(math.log(0.8), 0.01, 4)).verdict == "PASS"  # faster: an improvement
+
+
+def test_a_straddling_interval_keeps_measuring_then_is_inconclusive_never_pass():
+    blocks = blocks_of(math.log(0.95), 0.05, 4)  # right at the threshold, noisy
+    d = _decide(TP, blocks)
+    assert d.verdict == "INCONCLUSIVE" and "measuring more" in d.reason
+    d = _decide(TP, blocks, final=True)
+    assert d.verdict == "INCONCLUSIVE" and "budget" in d.reason and d.ratio_lo < 0.95 < d.ratio_hi
+
+
+def test_nothing_is_decided_before_min_blocks():
+    d = _decide(TP, blocks_of(math.log(0.5), 0.001, 2), min_blocks=3)
+    assert d.verdict == "INCONCLUSIVE" and "min_blocks" in d.reason
+
+
+def test_family_of_metrics_widens_each_interval():
+    b = blocks_of(0.0, 0.03, 5)
+    one, three = _decide(TP, b, family=1), _decide(TP, b, family=3)
+    assert three.level == pytest.approx(1 - 0.05 / 3)
+    assert three.ratio_lo < one.ratio_lo and three.ratio_hi > one.ratio_hi
+
+
+def test_deterministic_identical_sides_pass_with_a_zero_width_interval():
+    d = _decide(get_metric("accept_length"), [[0.0]] * 5)
+    assert d.verdict == "PASS" and d.ratio_lo == d.ratio_hi == 1.0
+
+
+# -- profile sections -----------------------------------------------------------------------------
+
+
+def test_ab_section_defaults_depend_on_hardware_and_bad_values_name_the_key():
+    assert parse_ab(None, hardware="cpu").threshold == 0.05
+    assert parse_ab(None, hardware="cuda").threshold == 0.025
+    with pytest.raises(ABConfigError, match="unknown key"):
+        parse_ab({"treshold": 0.1}, hardware="cpu")
+    with pytest.raises(ABConfigError, match="min_blocks"):
+        parse_ab({"min_blocks": 9, "max_blocks": 4}, hardware="cpu")
+    with pytest.raises(ABConfigError, match="gated"):
+        parse_ab({"gated": {"single_stream": ["decode_tok_z"]}}, hardware="cpu")
+    with pytest.raises(ABConfigError, match="relaunch"):
+        parse_ab({"relaunch": "yes"}, hardware="cpu")
+
+
+def test_variants_are_validated_and_cannot_choose_what_runs():
+    engines = {"reference": {"kind": "reference"}, "sglang": {"kind": "sglang"}}
+    v = parse_variants({"nccl": {"engine": "sglang", "settings": {"nccl_preset": "seed-pcie-tuned"}}}, engines)
+    assert v["nccl"].engine == "sglang" and v["nccl"].settings == {"nccl_preset": "seed-pcie-tuned"}
+    for bad, match in (({"same": {}}, "reserved"), ({"x": {"engine": "trt"}}, "not an engine"),
+                       ({"x": {"settings": {"python": "/bin/sh"}}}, "cannot choose what runs"),
+                       ({"x": {"interpreter": "mine"}}, "interpreter"), ({"x": {"colour": 1}}, "unknown key")):
+        with pytest.raises(ABConfigError, match=match):
+            parse_variants(bad, engines)
+
+
+# -- --perf-ab resolution and git -----------------------------------------------------------------
+
+
+def _git(repo, *args):
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture
+def repo(tmp_path):
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    r = tmp_path / "repo"
+    (r / "kimi_perf" / "engines" / "reference").mkdir(parents=True)
+    _git(tmp_path, "init", "-q", str(r))
+    for i in (1, 2):
+        (r / "kimi_perf" / "engines" / "reference" / "server.py").write_text(f"VERSION = {i}\n")
+        _git(r, "add", "-A")
+        _git(r, "commit", "-qm", f"commit {i}")
+    return r
+
+
+def test_git_base_resolves_and_its_worktree_is_that_commit_reused(repo, tmp_path):
+    b = resolve_base("git:HEAD~1", {}, repo)
+    assert b.kind == "git" and b.git.sha == _git(repo, "rev-parse", "HEAD~1") and "commit 1" in b.label
+    wt = ensure_worktree(b.git, tmp_path / "cache")
+    assert (wt / "kimi_perf" / "engines" / "reference" / "server.py").read_text() == "VERSION = 1\n"
+    assert ensure_worktree(b.git, tmp_path / "cache") == wt  # reused, not re-created
+    shutil.rmtree(wt / "kimi_perf")  # an interrupted earlier run: recreated
+    assert (ensure_worktree(b.git, tmp_path / "cache") / "kimi_perf").is_dir()
+
+
+def test_bad_bases_are_errors_that_name_the_fix(repo, tmp_path):
+    with pytest.raises(ABConfigError, match="does not name a commit"):
+        resolve_base("git:no-such-branch", {}, repo)
+    with pytest.raises(ABConfigError, match="not a git checkout"):
+        resolve_ref(tmp_path, "HEAD~1")
+    with pytest.raises(ABConfigError, match="not a variant of this profile; choose one of: same, git:REF, fast"):
+        resolve_base("slow", {"fast": parse_variants({"fast": {}}, {})["fast"]}, repo)
+    cli = parse_variants({"old": {"interpreter": "cli"}}, {})
+    with pytest.raises(ABConfigError, match="--perf-ab-python"):
+        resolve_base("old", cli, repo)
+    shallow = tmp_path / "shallow"
+    subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{repo}", str(shallow)], check=True)
+    with pytest.raises(ABConfigError, match="shallow.*git fetch --deepen=1"):
+        resolve_base("git:HEAD~1", {}, shallow)
+
+
+def test_base_config_changes_one_thing_and_never_inherits_the_planted_slowdown(repo, tmp_path):
+    cand = ReferenceEngineConfig(name="reference-candidate", model_path="/m", env=((PLANT_ENV, "0.2"),))
+    same = base_engine_config(cand, resolve_base("same", {}, repo), build=None, cache_dir=tmp_path)
+    assert dict(same.env)[PLANT_ENV] == "0" and same.source_root is None
+    assert same.argv(1) == cand.argv(1)  # A/A: the same command line
+    git = base_engine_config(cand, resolve_base("git:HEAD~1", {}, repo), build=None, cache_dir=tmp_path)
+    assert git.source_root and Path(git.source_root).is_dir() and git.environ()["PYTHONPATH"].startswith(git.source_root)
+    v = parse_variants({"eager": {"settings": {"disable_cuda_graph": True}, "env": {"OMP_NUM_THREADS": "1"}}}, {})
+    built = []
+
+    def build(name, **settings):
+        built.append((name, settings))
+        return ReferenceEngineConfig(name=name, model_path="/m", **settings)
+
+    eager = base_engine_config(cand, resolve_base("eager", v, repo), build=build, cache_dir=tmp_path)
+    assert built == [("reference-candidate", {"disable_cuda_graph": True})] and eager.disable_cuda_graph
+    assert dict(eager.env) == {PLANT_ENV: "0", "OMP_NUM_THREADS": "1"}
+    spec_cand = ReferenceEngineConfig(name="r", model_path="/m", spec=SpecConfig("/drafters/new"))
+    d = parse_variants({"old-drafter": {"drafter": "/drafters/old"}}, {})
+    assert base_engine_config(spec_cand, resolve_base("old-drafter", d, repo), build=None,
+                              cache_dir=tmp_path).spec.draft_model_path == "/drafters/old"
+    with pytest.raises(ABConfigError, match="not serving speculative"):
+        base_engine_config(cand, resolve_base("old-drafter", d, repo), build=None, cache_dir=tmp_path)
+
+
+# -- the schedule, against real paced servers -----------------------------------------------------
+
+
+class FakeSide:
+    """A side whose server is tests/fake_server.py in 'paced' mode (tokens at a set speed, slowed by
+    the planted-slowdown variable exactly as the reference engine reads it)."""
+
+    def __init__(self, role, tmp_path, plant="0", fail=False):
+        from kimi_perf.launcher import LaunchSpec
+
+        self.role, self.label, self.launches = role, f"fake {role}", 0
+        mode = "exit7" if fail else "paced"
+        self.spec = LaunchSpec(name=f"fake-{role}", argv_for_port=lambda p: [sys.executable, str(HERE / "fake_server.py"),
+                                                                            str(p), mode],
+                               env={PLANT_ENV: plant, "FAKE_TOKEN_MS": "4"}, ready_timeout_s=30, log_dir=tmp_path)
+        self.proc = None
+
+    def start(self):
+        from kimi_perf.bench import RunningServer
+        from kimi_perf.launcher import ServerProcess
+
+        self.launches += 1
+        self.proc = ServerProcess(self.spec, progress_every_s=60).start()
+        return RunningServer(self.spec.name, "fake", self.proc.base_url, "m", self.proc, None, version="fake-1")
+
+    def stop(self):
+        if self.proc is not None:
+            self.proc.stop(grace_s=2)
+            self.proc = None
+
+
+def _probes():
+    from kimi_perf.ab.runner import Probe
+    from kimi_perf.load.workload import Workload
+
+    w = Workload(name="w", input_len=4, output_len=24, num_prompts=2, concurrency=1, warmup=1)
+    return [Probe("single_stream", w, ("decode_tok_s",), ("engine_cpu_ms_per_tok",))]
+
+
+def _prompts(w, i):
+    return [[1, 2, 3, 4]] * w.num_prompts
+
+
+@pytest.mark.slow
+def test_abba_schedule_relaunches_every_block_and_catches_a_planted_slowdown(tmp_path):
+    from kimi_perf.ab.runner import run_ab
+
+    spec = ABSpec(threshold=0.05, min_blocks=3, max_blocks=6, repeats_per_block=2, relaunch=True)
+    base, cand = FakeSide("base", tmp_path), FakeSide("candidate", tmp_path, plant="0.3")
+    out = run_ab(base, cand, _probes(), spec, _prompts)
+    d = out.decisions[0]
+    assert d.verdict == "FAIL" and d.ratio == pytest.approx(1 / 1.3, rel=0.1), d.message()
+    assert out.blocks == 3 and base.launches == cand.launches == 3 and out.stopped == "a gated metric FAILED"
+    firsts = [p.first for p in out.pairs]
+    assert firsts == ["base", "candidate", "candidate", "base", "base", "candidate"]  # ABBA
+    assert all(math.isfinite(p.candidate["engine_cpu_ms_per_tok"]) for p in out.pairs)
+    assert json.loads(json.dumps(out.to_json()))["decisions"][0]["verdict"] == "FAIL"
+    aa = run_ab(FakeSide("base", tmp_path), FakeSide("candidate", tmp_path), _probes(), spec, _prompts)
+    assert aa.decisions[0].verdict == "PASS", aa.decisions[0].message()
+
+
+def test_a_base_that_does_not_start_is_named_and_keeps_what_was_measured(tmp_path):
+    from kimi_perf.ab.runner import ABSideError, run_ab
+
+    spec = ABSpec(min_blocks=2, max_blocks=2, repeats_per_block=1)
+    with pytest.raises(ABSideError) as ei:
+        run_ab(FakeSide("base", tmp_path, fail=True), FakeSide("candidate", tmp_path), _probes(), spec, _prompts)
+    msg = str(ei.value)
+    assert ei.value.role == "base" and "A/B base side [fake base]: server did not start" in msg
+    assert "exited with code 7" in msg and "Fix:" in msg
+    assert ei.value.outcome.error and ei.value.outcome.pairs == []
+
+
+def test_pairs_measured_under_host_steal_are_redone(tmp_path, monkeypatch):
+    from kimi_perf.ab import runner
+    from kimi_perf.procstat import HostCPU
+
+    ticks = iter(range(0, 10**6, 100))
+    # every reading adds 100 jiffies; the first 4 repeats see 50% steal, later ones none
+    calls = {"n": 0}
+
+    def fake_host():
+        calls["n"] += 1
+        t = next(ticks)
+        return HostCPU(total=t, steal=t // 2 if calls["n"] <= 8 else 400, idle=0)
+
+    monkeypatch.setattr(runner, "host_cpu", fake_host)
+    spec = ABSpec(min_blocks=2, max_blocks=2, repeats_per_block=1, relaunch=False, max_steal=0.05, max_redo=3)
+    out = runner.run_ab(FakeSide("base", tmp_path), FakeSide("candidate", tmp_path), _probes(), spec, _prompts)
+    assert sum(p.redone for p in out.pairs) >= 1
+    assert len(out.pairs) == 2 and os.environ.get(PLANT_ENV) is None
