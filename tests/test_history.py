@@ -1,0 +1,58 @@
+"""Run history: lines appended per run, series per key and metric, and change points named by commit."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from kimi_perf.history import _cli, append_history, change_points, history_lines, load_series
+
+KEY = {"scenario": "single_stream", "engine": "reference", "model": "m", "hardware": "cpu-x86_64-2c",
+       "workload": "w-1", "concurrency": 1}
+
+
+def _record(v: float) -> dict:
+    return {"nodeid": "perf_tests/test_throughput.py::test_single_stream_decode[reference]", "key": KEY,
+            "engine_version": "0.1.0", "samples": {"decode_tok_s": [v * 0.99, v, v * 1.01]},
+            "decisions": [{"metric": "decode_tok_s", "verdict": "PASS"}], "outcome": "passed"}
+
+
+def _ab_record(ratio: float) -> dict:
+    return {"nodeid": "perf_tests/test_ab.py::test_ab_throughput[reference]", "key": {**KEY, "scenario": "ab_throughput"},
+            "samples": {}, "decisions": [],
+            "ab": {"base": "git:HEAD~1", "blocks": 3, "versions": {"base": "0.1.0"},
+                   "decisions": [{"probe": "single_stream", "metric": "decode_tok_s", "ratio": ratio, "verdict": "PASS"}]}}
+
+
+def test_a_step_in_the_history_is_found_at_the_commit_that_made_it(tmp_path, capsys):
+    path = tmp_path / "embedded-cpu.jsonl"
+    rng = np.random.default_rng(1)
+    for i in range(30):
+        level = 18.0 if i < 18 else 14.0  # commit c18 made single-stream decode 22% slower
+        commit = {"id": f"c{i:02d}" + "0" * 38, "dirty": False, "subject": f"change {i}"}
+        lines = history_lines([_record(level * (1 + 0.02 * rng.standard_normal())), _ab_record(1.0)],
+                              profile="embedded-cpu", hardware="cpu-x86_64-2c", commit=commit,
+                              machine={"node": "box", "cpu": "x86", "gpus": []})
+        append_history(path, lines)
+    raw = [json.loads(ln) for ln in path.read_text().splitlines()]
+    assert len(raw) == 60 and raw[0]["commit"].startswith("c00") and raw[0]["medians"]["decode_tok_s"] > 15
+    assert raw[1]["ab"]["ratios"] == {"single_stream:decode_tok_s": 1.0}
+    series = {s.name: s for s in load_series(path)}
+    decode = next(s for n, s in series.items() if n.endswith("decode_tok_s"))
+    cps = change_points(decode)
+    assert len(cps) == 1 and cps[0].at.commit.startswith("c18") and cps[0].change < -0.15
+    assert _cli(["embedded-cpu", "--dir", str(tmp_path), "--metric", "decode_tok_s"]) == 0
+    out = capsys.readouterr().out
+    assert "at run 19/30: commit c180000000 change 18" in out and "mean 18.0" in out and "(-23." in out
+
+
+def test_a_flat_history_has_no_change_point_and_short_series_are_skipped(tmp_path):
+    path = tmp_path / "p.jsonl"
+    rng = np.random.default_rng(2)
+    for i in range(20):
+        append_history(path, history_lines([_record(18 * (1 + 0.02 * rng.standard_normal()))], profile="p",
+                                           hardware="h", commit={"id": f"{i:040d}"}, machine={}))
+    (s,) = load_series(path)
+    assert change_points(s) == []
+    assert change_points(type(s)(s.name, s.points[:4])) == []
