@@ -30,7 +30,7 @@ class ABSpec:
 
     threshold: float = 0.05  # a regression this large must FAIL (CPU 5% catches 10%; GPU 2.5% catches 5%)
     alpha: float = 0.05  # family-wise: each of m gated metrics gets a 1 - alpha/m interval
-    repeats_per_block: int = 2  # pairs per block, in ABBA order
+    repeats_per_block: int = 3  # pairs per block, in ABBA order (odd: the block summary is their median)
     min_blocks: int = 3
     max_blocks: int = 8
     relaunch: bool = True  # fresh servers every block (the launch effect is part of the noise)
