@@ -164,8 +164,9 @@ class ReferenceServer:
         if a.return_aux_hidden_state_layer_ids:
             self.aux_ids = tuple(x.strip() if x.strip() == "final" else int(x)
                                  for x in a.return_aux_hidden_state_layer_ids.split(","))
-        else:
+        elif a.enable_return_aux_hidden_states:
             self.aux_ids = runner.shape.eagle3_aux_layers
+        # the default ids [2, N//2, N-3] only exist from 4 layers on: checked only when they are used
         bad = [k for k in self.aux_ids if k != "final" and not 0 <= int(k) <= n]
         if bad:
             raise ValueError(f"--return-aux-hidden-state-layer-ids {bad}: ids must be in [0, {n}] or 'final'")
