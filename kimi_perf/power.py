@@ -1,0 +1,374 @@
+"""Prove the A/B gate's power: ``python -m kimi_perf.power`` measures how often it is wrong.
+
+Why: a gate is only as good as its verdicts, and its error rates depend on the machine's noise, which
+no formula knows. So they are measured, on the machine kind that runs the gate, with the gate exactly
+as deployed (:func:`kimi_perf.ab.runner.run_ab` with the profile's ``ab`` policy):
+
+- A/A trials: base and candidate are the same engine and code; any FAIL is a false fail;
+- planted trials: the candidate's reference engine burns X% of every decode step on the CPU
+  (``KIMI_PERF_PLANT_SLOWDOWN``, proportional to the step's measured duration, not a fixed sleep);
+  a FAIL is a detection, a PASS a miss, INCONCLUSIVE neither.
+
+Trials of the conditions are interleaved (round-robin, rotating the order) so a slow hour of the
+machine hits every condition alike. Each trial is written to the output as soon as it ends, and a
+rerun with the same configuration continues where the last one stopped (a study runs for hours).
+
+Direct trials are expensive (minutes each), so their rates come with wide exact (Clopper-Pearson)
+intervals. The report adds a *replay* estimate: the recorded blocks of each condition are resampled
+with replacement into many sequential trials decided by the same rule (:func:`decide`,
+:func:`stop_reason`), a block bootstrap that keeps each block's real pairs (launch effect included)
+but not correlations longer than a block. Both are in ``benchmarks/gate-power.json`` with the
+machine they ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .ab.config import ABSpec
+from .ab.decide import decide
+from .ab.runner import ABOutcome, ABSideError, Probe, run_ab, stop_reason
+from .bench import RunningServer, fetch_version
+from .engines.reference import PLANT_ENV
+from .metrics import METRICS
+from .progress import log
+
+__all__ = ["ProcessSide", "clopper_pearson", "replay", "summarize"]
+
+TARGETS = {"cpu": {"false_fail_max": 0.01, "detect": {"0.1": 0.95}, "verdict_s_max": 600},
+           "cuda": {"false_fail_max": 0.01, "detect": {"0.05": 0.95}, "verdict_s_max": 300}}
+
+
+@dataclass
+class ProcessSide:
+    """A side launched directly (no pytest): one engine config, relaunched on every ``start``."""
+
+    role: str
+    label: str
+    cfg: Any
+    log_dir: Path
+    server: RunningServer | None = None
+
+    def start(self) -> RunningServer:
+        from .launcher import ServerProcess
+
+        self.stop()
+        proc = ServerProcess(self.cfg.launch_spec(self.log_dir)).start()
+        self.server = RunningServer(self.cfg.name, self.cfg.kind, proc.base_url, self.cfg.served_model_name, proc,
+                                    self.cfg)
+        self.server.version = fetch_version(self.server)
+        return self.server
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.process.stop()
+            self.server = None
+
+
+def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    """Exact binomial interval for k successes in n trials."""
+    from scipy.stats import beta
+
+    if n == 0:
+        return (0.0, 1.0)
+    a = 1 - level
+    lo = 0.0 if k == 0 else float(beta.ppf(a / 2, k, n - k + 1))
+    hi = 1.0 if k == n else float(beta.ppf(1 - a / 2, k + 1, n - k))
+    return lo, hi
+
+
+def _overall(verdicts: Sequence[str]) -> str:
+    if any(v == "FAIL" for v in verdicts):
+        return "FAIL"
+    if verdicts and all(v == "PASS" for v in verdicts):
+        return "PASS"
+    return "INCONCLUSIVE"
+
+
+def trial_record(out: ABOutcome, plant: float, round_: int) -> dict[str, Any]:
+    gated = [(p.name, m) for p in out.probes for m in p.gated]
+    return {
+        "plant": plant, "round": round_, "verdict": _overall([d.verdict for d in out.decisions]),
+        "decisions": [{"probe": d.probe, "metric": d.metric, "verdict": d.verdict, "ratio": d.ratio,
+                       "lo": d.ratio_lo, "hi": d.ratio_hi, "pairs": d.n_pairs} for d in out.decisions],
+        "blocks": out.blocks, "wall_s": out.wall_s, "stopped": out.stopped, "error": out.error,
+        "redone": sum(p.redone for p in out.pairs),
+        "ready_s": [x.get("ready_s") for x in out.launches],
+        # per block, per gated metric: the pair log ratios (what the replay resamples)
+        "block_log_ratios": {f"{p}:{m}": out.block_log_ratios(p, m) for p, m in gated},
+        # every pair's gated and noise-resistant figures, for analyses the gate does not make
+        "pairs": [{"block": pr.block, "probe": pr.probe, "first": pr.first, "redone": pr.redone,
+                   **{f"{side}_{k}": getattr(pr, side).get(k) for side in ("base", "candidate")
+                      for k in ("decode_tok_s", "output_throughput", "engine_cpu_ms_per_tok", "host_steal_fraction")}}
+                  for pr in out.pairs],
+        "steal_max": max((v for pr in out.pairs for v in (pr.base.get("host_steal_fraction", 0.0),
+                                                          pr.candidate.get("host_steal_fraction", 0.0))
+                          if math.isfinite(v)), default=None),
+    }
+
+
+def replay(blocks: Sequence[dict[str, list[float]]], spec: ABSpec, probes: Sequence[Probe], *, n_trials: int,
+           seed: int = 0) -> dict[str, Any]:
+    """Sequential trials decided by the gate's own rule on blocks drawn with replacement from
+    ``blocks`` (each a mapping "probe:metric" -> that block's pair log ratios)."""
+    rng = np.random.default_rng(seed)
+    gated = [(p.name, m) for p in probes for m in p.gated]
+    family = len(gated)
+    counts = {"PASS": 0, "FAIL": 0, "INCONCLUSIVE": 0}
+    used = []
+    for _ in range(n_trials):
+        chosen: list[dict[str, list[float]]] = []
+        verdict = "INCONCLUSIVE"
+        for b in range(spec.max_blocks):
+            chosen.append(blocks[int(rng.integers(len(blocks)))])
+            final = b + 1 >= spec.max_blocks
+            ds = [decide(METRICS[m], p, [c[f"{p}:{m}"] for c in chosen], [], [], threshold=spec.threshold,
+                         alpha=spec.alpha, family=family, min_blocks=spec.min_blocks, final=final)
+                  for p, m in gated]
+            if stop_reason(ds, b + 1, spec, final=final):
+                verdict = _overall([d.verdict for d in ds])
+                break
+        counts[verdict] += 1
+        used.append(len(chosen))
+    return {"trials": n_trials, "blocks_pool": len(blocks), **{k.lower(): v for k, v in counts.items()},
+            "mean_blocks": float(np.mean(used)) if used else None}
+
+
+def summarize(entry: dict[str, Any], spec: ABSpec, probes: Sequence[Probe], *, replay_trials: int) -> dict[str, Any]:
+    hw = entry.get("hardware_class", "cpu")
+    targets = TARGETS.get(hw, TARGETS["cpu"])
+    out: dict[str, Any] = {"conditions": {}, "targets": targets}
+    by_plant: dict[str, list[dict[str, Any]]] = {}
+    for t in entry["trials"]:
+        by_plant.setdefault(f"{t['plant']:g}", []).append(t)
+    for plant, trials in sorted(by_plant.items(), key=lambda kv: float(kv[0])):
+        ok = [t for t in trials if not t.get("error")]
+        n = len(ok)
+        k_fail = sum(t["verdict"] == "FAIL" for t in ok)
+        k_inc = sum(t["verdict"] == "INCONCLUSIVE" for t in ok)
+        walls = {v: float(np.median([t["wall_s"] for t in ok if t["verdict"] == v]))
+                 for v in ("PASS", "FAIL", "INCONCLUSIVE") if any(t["verdict"] == v for t in ok)}
+        blocks = []
+        for t in ok:
+            per = t["block_log_ratios"]
+            nb = min(len(v) for v in per.values()) if per else 0
+            blocks += [{k: v[i] for k, v in per.items()} for i in range(nb)]
+        c: dict[str, Any] = {
+            "trials": n, "errors": len(trials) - n, "fail": k_fail, "inconclusive": k_inc,
+            "pass": n - k_fail - k_inc, "fail_rate": k_fail / n if n else None,
+            "fail_rate_ci95": clopper_pearson(k_fail, n), "inconclusive_rate": k_inc / n if n else None,
+            "median_wall_s_by_verdict": walls, "median_wall_s": float(np.median([t["wall_s"] for t in ok])) if ok else None,
+            "median_blocks": float(np.median([t["blocks"] for t in ok])) if ok else None,
+        }
+        if blocks and replay_trials:
+            r = replay(blocks, spec, probes, n_trials=replay_trials, seed=int(float(plant) * 1000))
+            r["fail_rate"] = r["fail"] / r["trials"]
+            r["fail_rate_ci95"] = clopper_pearson(r["fail"], r["trials"])
+            r["inconclusive_rate"] = r["inconclusive"] / r["trials"]
+            c["replay"] = r
+        out["conditions"][plant] = c
+    return out
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    lines = ["# A/B gate power (measured)", "",
+             "Written by `python -m kimi_perf.power`; rates are FAIL verdicts per trial. A/A (plant 0): a FAIL "
+             "is a false fail. Planted X: the candidate's decode steps are X slower; a FAIL is a detection. "
+             "`direct` = real trials (exact 95% interval), `replay` = the same rule on recorded blocks "
+             "resampled with replacement.", ""]
+    for label, e in doc.get("machines", {}).items():
+        s = e.get("summary", {})
+        lines += [f"## {label}", "", f"{e.get('machine', {}).get('cpu', '?')}, "
+                  f"{', '.join(g.get('name', '') for g in e.get('machine', {}).get('gpus', [])) or 'no GPU'}; "
+                  f"profile {e.get('profile')}, engine {e.get('engine')}, commit {str(e.get('commit'))[:10]}; "
+                  f"threshold {e['spec']['threshold']:.1%}, alpha {e['spec']['alpha']}, blocks "
+                  f"{e['spec']['min_blocks']}-{e['spec']['max_blocks']} x {e['spec']['repeats_per_block']} pairs, "
+                  f"relaunch {e['spec']['relaunch']}; servers {e.get('servers', '?')}", "",
+                  "| planted | trials | FAIL rate (direct, 95% CI) | inconclusive | median wall s | FAIL rate (replay) | "
+                  "inconclusive (replay) |", "|---|---|---|---|---|---|---|"]
+        for plant, c in s.get("conditions", {}).items():
+            rp = c.get("replay") or {}
+            lo, hi = c["fail_rate_ci95"]
+            lines.append(
+                f"| {float(plant):.0%} | {c['trials']} | {c['fail']}/{c['trials']} [{lo:.2f}, {hi:.2f}] | "
+                f"{c['inconclusive']}/{c['trials']} | {c['median_wall_s'] or 0:.0f} | "
+                + (f"{rp['fail_rate']:.3f} ({rp['trials']} from {rp['blocks_pool']} blocks) | "
+                   f"{rp['inconclusive_rate']:.3f} |" if rp else "- | - |"))
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def _target(profile: Any) -> tuple[str, Path, str]:
+    """(name, model dir, load format) of the profile's model, without pytest."""
+    m = profile.model
+    if m.source == "embedded":
+        from .models.embedded import ensure_embedded_model
+
+        e = ensure_embedded_model()
+        return e.name, e.path, "auto"
+    if m.source == "dummy":
+        from .models.dummy import ensure_dummy_model
+        from .profiles import DUMMY_SHAPES
+
+        return m.name, ensure_dummy_model(m.dummy_shape, DUMMY_SHAPES[m.dummy_shape]), "dummy"
+    p = Path(m.path or "").expanduser()
+    if not (p / "config.json").is_file():
+        raise SystemExit(f"profile {profile.name}: model {m.name} not found at {m.path}")
+    return m.name, p, "auto"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kimi_perf.power", description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default="embedded-cpu", help="profile name or JSON path (default embedded-cpu)")
+    ap.add_argument("--engine", default="reference", help="reference-kind engine of the profile (default reference)")
+    ap.add_argument("--trials", type=int, default=3, help="direct trials per condition (default 3)")
+    ap.add_argument("--plants", default="0,0.05,0.1,0.2", help="planted slowdowns, fractions (0 = A/A)")
+    ap.add_argument("--out", default="benchmarks/gate-power.json", help="JSON to write (continued when it exists)")
+    ap.add_argument("--label", default=None, help="machine label in the output (default: the hardware key)")
+    ap.add_argument("--max-wall-s", type=float, default=None, help="start no trial after this many seconds")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override an ab policy field for this study, e.g. relaunch=false (JSON values)")
+    ap.add_argument("--replay-trials", type=int, default=4000, help="resampled trials per condition (0 = none)")
+    ap.add_argument("--reuse-servers", action="store_true",
+                    help="launch the base and each condition's candidate once and keep them for every trial (when "
+                         "launches cost more than the trials: GPU leases); trials then share launches, so the "
+                         "launch effect is not sampled, and the output says so")
+    ap.add_argument("--engine-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override an engine setting for this study (JSON value), e.g. context_length=256 so that "
+                         "five 8B servers fit on one GPU")
+    ap.add_argument("--log-dir", default="perf-report/power-logs")
+    ns = ap.parse_args(argv)
+
+    from .engines.registry import build_engine_config
+    from .load.prompts import PromptFactory
+    from .machine import commit_info, gpu_info, hardware_key, machine_info
+    from .profiles import find_profile, load_profile
+
+    root = Path(__file__).resolve().parents[1]
+    profile = load_profile(find_profile(ns.profile, [root / "profiles", Path.cwd() / "profiles"]))
+    spec = profile.ab
+    for kv in ns.set:
+        k, _, v = kv.partition("=")
+        spec = replace(spec, **{k: json.loads(v)})
+    name, model_dir, load_format = _target(profile)
+    raw = profile.engines[ns.engine]
+    if raw["kind"] != "reference":
+        raise SystemExit(f"--engine {ns.engine}: the planted slowdown is the reference engine's; pick a reference engine")
+    over = {"load_format": load_format, **{k: json.loads(v) for k, v in (kv.partition("=")[::2] for kv in ns.engine_set)}}
+    cfg = build_engine_config(ns.engine, raw, model_path=str(model_dir), served_model_name=name, overrides=over)
+    tp = profile.throughput
+    assert tp is not None, f"profile {profile.name} has no throughput section"
+    top_c = spec.top_concurrency or max(tp.concurrency)
+    probes = [Probe("single_stream", replace(tp.single_stream, **dict(spec.single_stream)),
+                    tuple(spec.gated.get("single_stream", ()))),
+              Probe(f"c{top_c}", replace(tp.sweep_workload(top_c), **dict(spec.top)), tuple(spec.gated.get("top", ())))]
+    probes = [p for p in probes if p.gated]
+    prompts = PromptFactory(model_dir)
+    gpus = gpu_info()
+    label = ns.label or profile.hardware_key(hardware_key(gpus, use_gpu=profile.hardware == "cuda"), gpus)
+    out_path = Path(ns.out)
+    doc = json.loads(out_path.read_text()) if out_path.is_file() else {"kimi_perf_gate_power": 1, "machines": {}}
+    spec_json = {k: (dict(v) if hasattr(v, "items") else v) for k, v in asdict(spec).items()}
+    probes_json = [{"name": p.name, "workload": p.workload.to_dict(), "gated": list(p.gated)} for p in probes]
+    entry = doc["machines"].get(label)
+    if entry is None or entry.get("spec") != json.loads(json.dumps(spec_json)) or entry.get("probes") != probes_json:
+        if entry is not None:
+            log(f"power: {out_path} has {label} trials of another configuration; starting that machine's entry afresh")
+        entry = {"profile": profile.name, "engine": ns.engine, "hardware_class": profile.hardware, "spec": spec_json,
+                 "probes": probes_json, "trials": []}
+    entry["servers"] = ("launched once per side and condition, reused by every trial (launch effect not sampled)"
+                        if ns.reuse_servers else "launched by every trial, and every block when spec.relaunch")
+    entry["engine_settings"] = {k: v for k, v in over.items() if k != "load_format"}
+    entry.update(machine=machine_info(), commit=commit_info(root).get("id"))
+    doc["machines"][label] = entry
+    plants = [float(x) for x in ns.plants.split(",")]
+    log_dir = Path(ns.log_dir)
+    t_start = time.monotonic()
+
+    def save() -> None:
+        entry["summary"] = summarize(entry, spec, probes, replay_trials=ns.replay_trials)
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        # other machines' entries may have been merged into the file meanwhile: keep them
+        current = json.loads(out_path.read_text()) if out_path.is_file() else doc
+        current.setdefault("machines", {})[label] = entry
+        from .baselines import atomic_write_json
+
+        atomic_write_json(out_path, current)
+        out_path.with_suffix(".md").write_text(markdown(current))
+
+    kept: dict[str, ProcessSide] = {}
+
+    def side(role: str, plant: float) -> ProcessSide:
+        env = tuple(sorted({**dict(cfg.env), PLANT_ENV: f"{plant:g}"}.items()))
+        tag = "base" if role == "base" else f"cand{plant:g}"
+        new = ProcessSide(role, f"reference (plant {plant:g})", replace(cfg, name=f"{ns.engine}-{tag}", env=env), log_dir)
+        if not ns.reuse_servers:
+            return new
+        if tag not in kept:
+            kept[tag] = KeptSide(new)
+        return kept[tag]  # type: ignore[return-value]
+
+    def sides(plant: float) -> tuple[ProcessSide, ProcessSide]:
+        return side("base", 0.0), side("candidate", plant)
+
+    try:
+        _rounds(ns, plants, entry, sides, probes, spec, prompts, t_start, save)
+    finally:
+        for k in kept.values():
+            k.side.stop()
+    save()
+    return 0
+
+
+class KeptSide:
+    """--reuse-servers: the first ``start`` launches, later ones return the running server; ``stop`` is
+    deferred to the end of the study."""
+
+    def __init__(self, side: ProcessSide) -> None:
+        self.side, self.role, self.label = side, side.role, side.label
+
+    def start(self) -> RunningServer:
+        s = self.side.server
+        if s is not None and s.process.alive():
+            return s
+        return self.side.start()
+
+    def stop(self) -> None:
+        pass
+
+
+def _rounds(ns: Any, plants: list[float], entry: dict[str, Any], sides: Any, probes: list[Probe], spec: ABSpec,
+            prompts: Any, t_start: float, save: Any) -> None:
+    for r in range(ns.trials):
+        order = plants[r % len(plants):] + plants[: r % len(plants)]
+        for plant in order:
+            done = sum(1 for t in entry["trials"] if t["plant"] == plant)
+            if done > r:
+                continue  # resumed: this condition already has its trial of this round
+            if ns.max_wall_s is not None and time.monotonic() - t_start > ns.max_wall_s:
+                log(f"power: --max-wall-s {ns.max_wall_s:.0f} reached; stopping")
+                return
+            base, cand = sides(plant)
+            log(f"power: round {r + 1}/{ns.trials}, planted slowdown {plant:.0%} ({time.monotonic() - t_start:.0f}s)")
+            try:
+                out = run_ab(base, cand, probes, spec, prompts)
+            except ABSideError as e:
+                out = e.outcome
+                log(f"power: trial failed: {e}")
+            entry["trials"].append(trial_record(out, plant, r))
+            t = entry["trials"][-1]
+            log(f"power: planted {plant:.0%} -> {t['verdict']} in {t['blocks']} blocks, {t['wall_s']:.0f}s")
+            save()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
