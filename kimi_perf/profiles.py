@@ -276,6 +276,13 @@ def _load_profile(path: Path) -> Profile:
     ar = raw.get("allreduce", {})
     if ar:
         _check_allreduce(path, ar)
+    from .alignment.plan import PlanError, check_alignment_section, check_eagle3_section
+
+    try:
+        check_eagle3_section(raw.get("eagle3", {}), engines)
+        check_alignment_section(raw.get("alignment", {}), engines)
+    except PlanError as ex:
+        raise _e(path, ex.key, ex.problem, ex.fix) from None
     for section in ("ab", "variants"):
         if section in raw and not isinstance(raw[section], dict):
             raise _e(path, section, "must be an object", "see profiles/embedded-cpu.json")

@@ -8,6 +8,9 @@ engine's own noise floor (alone vs batched, prefill vs decode), stored per profi
 planted fault must fail with its cause named.
 
 Run one alone on a laptop: ``pytest perf_tests/test_alignment.py -k "extraction and float32"``.
+
+These tests measure the reference engine (the vLLM one also vLLM) and skip when --perf-engine leaves
+it out; SGLang's and vLLM's serving paths against transformers per engine are test_engine_alignment.py.
 """
 
 from __future__ import annotations
@@ -23,6 +26,23 @@ pytestmark = [pytest.mark.perf, pytest.mark.alignment]
 
 DTYPES = ["float32", "bfloat16"]
 LAYER_IDS = ["eagle-low", "eagle-mid", "eagle-high", "last-prenorm", "final"]
+
+
+def _engines(*names):
+    """The engines a test measures (default: the reference engine), read by :func:`_selected`."""
+    def deco(f):
+        f.kimi_perf_engines = names
+        return f
+    return deco
+
+
+@pytest.fixture(autouse=True)
+def _selected(request, perf_session):
+    """Skip a test whose engines --perf-engine left out: a per-engine GPU run must not pay for them."""
+    need = getattr(request.function, "kimi_perf_engines", ("reference",))
+    left_out = [e for e in need if e not in perf_session.engines]
+    if left_out:
+        pytest.skip(f"measures {', '.join(left_out)}; --perf-engine selected {', '.join(perf_session.engines)}")
 
 
 def _layer(alignment, name):
@@ -149,24 +169,19 @@ def test_planted_fault_is_caught_with_its_cause(alignment, fault, dtype):
     assert cause in str(ei.value), f"the {fault} fault was caught but its cause was misnamed: {ei.value}"
 
 
-def test_vllm_extraction_vs_hf_and_reference(alignment, perf_session, server_pool, perf_gate):
+@_engines("vllm", "reference")
+def test_vllm_extraction_vs_hf_and_reference(alignment, perf_session, perf_gate):
     """vLLM's extract_hidden_states path (CPU-safe connector) against transformers offline and the
     reference engine, on the tokens vLLM generated. vLLM's last layer is *pre*-final-norm: it must
     match the other paths' pre-norm layer N, and the diagnosis must say so if compared with 'final'."""
     if "vllm" not in perf_session.profile.engines:
         pytest.skip(f"profile {perf_session.profile.name} has no vllm engine")
-    import tempfile
-
-    from fixtures.servers import engine_config
-    from kimi_perf.alignment.extract import server_hidden_states, vllm_hidden_states
+    from kimi_perf.alignment.extract import server_hidden_states
 
     st = alignment.st
     layers = [k for k in st.layers if isinstance(k, int)]  # [2, N//2, N-3, N]
-    out_dir = tempfile.mkdtemp(prefix="kimi-perf-vllm-hs-")
-    cfg = engine_config(perf_session, "vllm", alignment.target, extract_hidden_layers=tuple(layers), extract_dir=out_dir)
-    srv = server_pool.get(cfg)
-    got = vllm_hidden_states(srv.base_url, srv.model, alignment.prompts(), st.max_new_tokens, layers=layers)
-    server_pool.stop(cfg)
+    # one extract_hidden_states server per session: test_engine_alignment.py's vLLM case reads the same capture
+    got = alignment.vllm_capture("vllm", tuple(layers)).states
     hf = alignment.hf("bfloat16")
     ref_srv = alignment.server("bfloat16")
     worst = {}

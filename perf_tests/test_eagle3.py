@@ -1,9 +1,20 @@
-"""EAGLE-3 gates: acceptance and speedup of the session's drafter, losslessness, and the layer-mismatch
-failure mode this suite exists to catch.
+"""EAGLE-3 gates: acceptance and speedup of the session's drafter on every engine of
+``eagle3.engines``, losslessness, and the layer-mismatch failure mode this suite exists to catch.
 
 The drafter comes from the ``eagle3_drafter`` fixture (trained and cached on the profile's recipe, or
 ``--perf-drafter``). Speedup is an A/B measured in this run: the same held-out prompts through the same
-engine with and without speculative decoding, interleaved over R repeats.
+engine with and without speculative decoding, interleaved over R repeats (fixtures/drafters.py
+``Eagle3Runs.ab``, once per engine per session; acceptance and speedup read the same repeats).
+Baselines are keyed by the engine that served them. SGLang's acceptance comes from its per-request
+``/generate`` meta_info (kimi_perf.eagle3.evaluate); vLLM's and the reference engine's from the
+vllm:spec_decode_* counters.
+
+Why the A/B also captures hidden states on SGLang: sglang 0.5.17 returns a served drafter's aux layers
+only while serving it, so the alignment test of that engine (test_engine_alignment.py) reads what the
+A/B's servers captured before they stop, instead of launching them again (~1.5 min each on the H200).
+
+Losslessness and the layer-mismatch test stay on the reference engine (they need its fp32 path and
+its stored features); they skip when --perf-engine leaves the reference engine out.
 """
 
 from __future__ import annotations
@@ -14,7 +25,8 @@ import shutil
 import numpy as np
 import pytest
 
-from fixtures.drafters import spec_engine_config
+from fixtures.alignment import wants_capture
+from fixtures.drafters import eval_settings, parametrize_engines, spec_engine_config
 from fixtures.servers import engine_config
 from kimi_perf.eagle3.evaluate import WIRING_HINT, measure_generation
 from kimi_perf.progress import log
@@ -22,45 +34,51 @@ from kimi_perf.progress import log
 pytestmark = [pytest.mark.perf, pytest.mark.eagle]
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``eagle3_engine``: the engines of ``eagle3.engines`` (default ``[eagle3.engine]``) that
+    --perf-engine selected."""
+    if "eagle3_engine" not in metafunc.fixturenames:
+        return
+    from kimi_perf.alignment.plan import PlanError, eagle3_engines, selected_engines
+    from kimi_perf.plugin import SESSION_KEY
+
+    s = metafunc.config.stash.get(SESSION_KEY, None)
+    if s is None:
+        return
+    try:
+        listed = eagle3_engines(s.profile.eagle3, s.profile.engines)
+    except PlanError as e:
+        raise pytest.UsageError(f"profile {s.profile.path}: {e}") from None
+    if not listed:
+        parametrize_engines(metafunc, "eagle3_engine", [], f"profile {s.profile.name} has no eagle3 section")
+        return
+    parametrize_engines(metafunc, "eagle3_engine", *selected_engines(listed, s.engines, "eagle3.engines"))
+
+
 def _eval(s):
-    e = dict(s.profile.eagle3.get("eval", {}))
-    return int(e.get("max_new_tokens", 64)), float(e.get("min_speedup", 1.0)), float(e.get("min_accept_length", 1.0))
-
-
-@pytest.fixture(scope="session")
-def eagle3_ab(perf_session, target_model, server_pool, eagle3_drafter):
-    """Plain and speculative servers, same prompts, interleaved repeats at concurrency 1."""
-    max_new, _, _ = _eval(perf_session)
-    prompts = [list(p) for p in eagle3_drafter.eval_prompts]
-    eng = _engine(perf_session)
-    small = {"max_running_requests": 4} if perf_session.profile.engines.get(eng, {}).get("kind") == "reference" else {}
-    cfgs = {"plain": engine_config(perf_session, eng, target_model, **small),
-            "spec": spec_engine_config(perf_session, target_model, eagle3_drafter.path, eagle3_drafter.steps,
-                                       engine=eng, **small)}
-    out = {"plain": [], "spec": [], "versions": {}}
-    for name, cfg in cfgs.items():
-        # one unmeasured pass per server over *every* prompt, a few tokens each: each prompt length is
-        # a new eager prefill/extend shape, and first-use costs (kernel selection, allocator growth)
-        # otherwise land in repeat 1. On the H200 a 2-prompt warm-up still left repeat 1 15-17% slower
-        # for plain decoding and 37% for speculative.
-        srv = server_pool.get(cfg)
-        measure_generation(srv.base_url, srv.model, prompts, min(max_new, 8), name=f"eagle3-{name}-warmup")
-    for r in range(perf_session.repeats):
-        for name, cfg in cfgs.items():
-            srv = server_pool.get(cfg)
-            out["versions"][name] = srv.version
-            res = measure_generation(srv.base_url, srv.model, prompts, max_new, name=f"eagle3-{name}")
-            out[name].append(res)
-            log(f"eagle3 A/B repeat {r + 1}/{perf_session.repeats} {name}: {res.output_tok_s:.1f} tok/s"
-                + (f", accept length {res.accept_length:.2f}" if name == "spec" else ""))
-    for cfg in cfgs.values():
-        server_pool.stop(cfg)
-    return out
+    return eval_settings(s)
 
 
 def _engine(perf_session):
-    """The engine the profile measures EAGLE-3 on (the reference engine on CPU, SGLang on the Kimi rig)."""
+    """The profile's primary EAGLE-3 engine (``eagle3.engine``): what test_acceptance_in_vllm compares with."""
     return str(perf_session.profile.eagle3.get("engine", "reference"))
+
+
+def _reference_selected(perf_session):
+    if "reference" not in perf_session.engines:
+        pytest.skip(f"reference-engine test; --perf-engine selected {', '.join(perf_session.engines)}")
+
+
+def _ab(request, eagle3_runs, engine):
+    """The engine's A/B (run once per session); on an SGLang engine whose alignment test is selected,
+    the A/B's servers are also captured for it before they stop."""
+    def capture(servers):
+        # only servers that answer return_hidden_states (SGLang engines of alignment.engines) capture
+        hs = any(getattr(srv.config, "return_hidden_states", False) for srv in servers.values())
+        if hs and wants_capture(request.session, "align_engine", engine):
+            request.getfixturevalue("alignment").prefetch(servers)
+
+    return eagle3_runs.ab(engine, while_up=capture)
 
 
 def _workload(perf_session, drafter):
@@ -68,15 +86,16 @@ def _workload(perf_session, drafter):
     return f"mtbench-heldout-{len(drafter.eval_prompts)}x{max_new}-k{drafter.steps}"
 
 
-def test_acceptance(eagle3_ab, eagle3_drafter, perf_gate, perf_session, target_model):
+def test_acceptance(eagle3_engine, eagle3_runs, eagle3_drafter, perf_gate, perf_session, target_model, request):
     """Accept length and per-position acceptance of the drafter on held-out MT-bench prompts."""
-    spec = eagle3_ab["spec"]
+    eng = eagle3_engine
+    ab = _ab(request, eagle3_runs, eng)
+    spec = ab.spec
     if any(r.counters is None and r.server_accept_length is None for r in spec):
-        pytest.fail("the speculative server reports acceptance neither as vllm:spec_decode_* counters nor in "
-                    "/server_info internal_states: acceptance cannot be read")
+        pytest.fail(f"the speculative {eng} server reports acceptance neither as vllm:spec_decode_* counters, nor "
+                    "in /generate meta_info (SGLang), nor in /server_info internal_states: acceptance cannot be read")
     if all(abs(r.accept_length - 1.0) < 1e-9 for r in spec):
-        pytest.fail(f"accept length 1.00 on every repeat: {WIRING_HINT}")
-    eng = _engine(perf_session)
+        pytest.fail(f"[{eng}] accept length 1.00 on every repeat: {WIRING_HINT}")
     samples = {"accept_length": [r.accept_length for r in spec]}
     # A metric the profile gates but this engine cannot measure is recorded with its reason, never dropped.
     not_measured: dict[str, str] = {}
@@ -102,43 +121,50 @@ def test_acceptance(eagle3_ab, eagle3_drafter, perf_gate, perf_session, target_m
         from kimi_perf.plugin import PerfWarning
 
         for m, why in ungated.items():
-            log(f"eagle3 acceptance: {m} not gated: {why}")
-            warnings.warn(PerfWarning(f"{m} not gated: {why}"), stacklevel=1)
+            log(f"eagle3 acceptance [{eng}]: {m} not gated: {why}")
+            warnings.warn(PerfWarning(f"[{eng}] {m} not gated: {why}"), stacklevel=1)
     rep = eagle3_drafter.report
     extra = {"drafter": str(eagle3_drafter.path), "train": rep.get("train"), "data": {
         k: v for k, v in (rep.get("data") or {}).items() if k not in ("train_ids", "heldout_ids")},
-        "acceptance_source": sorted({r.source for r in spec}), "not_measured": not_measured}
+        "acceptance_source": sorted({r.source for r in spec}), "not_measured": not_measured,
+        "engine_versions": dict(ab.versions), "servers": dict(ab.configs)}
     perf_gate.check(scenario="eagle3_acceptance", engine=eng, model=target_model.name,
                     workload=_workload(perf_session, eagle3_drafter), concurrency=1, samples=samples,
                     gated=[m for m in wanted if m in samples],
-                    engine_version=eagle3_ab["versions"].get("spec"), extra=extra)
-    log("eagle3 acceptance: " + ", ".join(f"{k} {np.median(v):.3f}" for k, v in samples.items()))
+                    engine_version=ab.versions.get("spec"), extra=extra)
+    log(f"eagle3 acceptance [{eng}]: " + ", ".join(f"{k} {np.median(v):.3f}" for k, v in samples.items()))
     _, _, min_len = _eval(perf_session)
     med = float(np.median(samples["accept_length"]))
-    assert med >= min_len, f"accept_length (higher is better, tok/step): {med:.3f} < the profile's minimum {min_len}"
+    assert med >= min_len, (f"[{eng}] accept_length (higher is better, tok/step): {med:.3f} < the profile's "
+                            f"minimum {min_len}")
 
 
-def test_speedup_vs_no_spec(eagle3_ab, eagle3_drafter, perf_gate, perf_session, target_model):
-    """Output tok/s with EAGLE-3 over without, same prompts, same run, batch 1."""
-    ratios = [s.output_tok_s / p.output_tok_s for s, p in zip(eagle3_ab["spec"], eagle3_ab["plain"])]
-    same = sum(a == b for s, p in zip(eagle3_ab["spec"], eagle3_ab["plain"]) for a, b in zip(s.texts, p.texts))
-    total = sum(len(s.texts) for s in eagle3_ab["spec"])
-    perf_gate.check(scenario="eagle3_speedup", engine=_engine(perf_session), model=target_model.name,
+def test_speedup_vs_no_spec(eagle3_engine, eagle3_runs, eagle3_drafter, perf_gate, perf_session, target_model,
+                            request):
+    """Output tok/s with EAGLE-3 over without, same prompts, same run, batch 1, same engine."""
+    eng = eagle3_engine
+    ab = _ab(request, eagle3_runs, eng)
+    ratios = [s.output_tok_s / p.output_tok_s for s, p in zip(ab.spec, ab.plain)]
+    same = sum(a == b for s, p in zip(ab.spec, ab.plain) for a, b in zip(s.texts, p.texts))
+    total = sum(len(s.texts) for s in ab.spec)
+    perf_gate.check(scenario="eagle3_speedup", engine=eng, model=target_model.name,
                     workload=_workload(perf_session, eagle3_drafter), concurrency=1, samples={"spec_speedup": ratios},
-                    gated=["spec_speedup"], engine_version=eagle3_ab["versions"].get("spec"),
-                    extra={"plain_tok_s": [p.output_tok_s for p in eagle3_ab["plain"]],
-                           "spec_tok_s": [s.output_tok_s for s in eagle3_ab["spec"]],
-                           "identical_outputs": f"{same}/{total}"})
+                    gated=["spec_speedup"], engine_version=ab.versions.get("spec"),
+                    extra={"plain_tok_s": [p.output_tok_s for p in ab.plain],
+                           "spec_tok_s": [s.output_tok_s for s in ab.spec],
+                           "identical_outputs": f"{same}/{total}", "engine_versions": dict(ab.versions),
+                           "servers": dict(ab.configs)})
     _, min_speedup, _ = _eval(perf_session)
     med = float(np.median(ratios))
-    log(f"eagle3 speedup: {med:.3f}x (per repeat {', '.join(f'{r:.3f}' for r in ratios)}); "
+    log(f"eagle3 speedup [{eng}]: {med:.3f}x (per repeat {', '.join(f'{r:.3f}' for r in ratios)}); "
         f"serving-dtype outputs identical to no-spec for {same}/{total} requests")
-    assert med > min_speedup, (f"spec_speedup (higher is better, x): median {med:.3f} is not above {min_speedup} "
-                               f"(per repeat: {ratios})")
+    assert med > min_speedup, (f"[{eng}] spec_speedup (higher is better, x): median {med:.3f} is not above "
+                               f"{min_speedup} (per repeat: {ratios})")
 
 
 def test_lossless_in_fp32(eagle3_drafter, server_pool, perf_session, target_model):
     """Speculative decoding must not change greedy output: fp32, batched verification (C=4)."""
+    _reference_selected(perf_session)
     from kimi_perf.load.client import run_workload
     from kimi_perf.load.workload import Workload
 
@@ -162,6 +188,8 @@ def test_lossless_in_fp32(eagle3_drafter, server_pool, perf_session, target_mode
 def _stored_and_live(eagle3_drafter, alignment, dtype="bfloat16", n=2):
     from kimi_perf.alignment.extract import server_hidden_states, stored_hidden_states
     from kimi_perf.eagle3.features import FeatureStore
+
+    _reference_selected(alignment.s)
 
     if eagle3_drafter.feature_dir is None:
         pytest.skip("--perf-drafter was given: no stored features of this session to compare")
@@ -197,14 +225,15 @@ def test_stored_features_match_inference(eagle3_drafter, alignment, perf_gate, t
 
 
 @pytest.mark.alignment
-def test_layer_mismatch_collapses_acceptance_and_is_named(eagle3_ab, eagle3_drafter, alignment, server_pool,
-                                                          perf_session, target_model, tmp_path):
+def test_layer_mismatch_collapses_acceptance_and_is_named(eagle3_runs, eagle3_drafter, alignment, server_pool,
+                                                          perf_session, target_model, tmp_path, request):
     """The real-world failure: a checkpoint whose aux-layer ids are in another engine's convention
     (written for SGLang's Llama, read by a vLLM-convention engine) feeds every feature one layer off.
     Acceptance must drop, and the alignment check must say "off-by-one layer id"."""
     from kimi_perf.alignment.diagnose import AlignmentError, check_served_layers
     from kimi_perf.eagle3.model import Eagle3Config, aux_ids_for_engine, effective_aux_layers
 
+    _reference_selected(perf_session)
     cfg = json.loads((eagle3_drafter.path / "config.json").read_text())
     trained = Eagle3Config.from_hf_config(cfg, engine="reference",
                                           target_num_layers=alignment.st.num_layers).aux_layers
@@ -232,7 +261,8 @@ def test_layer_mismatch_collapses_acceptance_and_is_named(eagle3_ab, eagle3_draf
     ev = perf_session.profile.eagle3.get("eval", {})
     max_ratio = float(ev.get("mismatch_max_accept_ratio", 0.6))
     resolvable = float(ev.get("mismatch_min_accept_length", 1.5))
-    good = float(np.median([r.accept_length for r in eagle3_ab["spec"]]))
+    # the reference engine's own A/B: the mismatched drafter is served by the reference engine below
+    good = _ab(request, eagle3_runs, "reference").median_accept_length()
     prompts = [list(p) for p in eagle3_drafter.eval_prompts]
     scfg = spec_engine_config(perf_session, target_model, bad, eagle3_drafter.steps, max_running_requests=4)
     srv = server_pool.get(scfg)
@@ -256,11 +286,16 @@ def test_layer_mismatch_collapses_acceptance_and_is_named(eagle3_ab, eagle3_draf
         f"{max_ratio:.2f}x of the correctly served drafter's; got {res.accept_length:.3f} vs {good:.3f} (x{ratio:.3f})")
 
 
-def test_acceptance_in_vllm(eagle3_drafter, eagle3_ab, perf_session, target_model, server_pool, perf_gate):
+def test_acceptance_in_vllm(eagle3_drafter, eagle3_runs, perf_session, target_model, server_pool, perf_gate, request):
     """The suite's drafter served by real vLLM (its eagle3 loader, its counters), next to the
-    reference engine's numbers for the same drafter and prompts."""
+    primary EAGLE-3 engine's numbers for the same drafter and prompts. For profiles that list vllm in
+    ``eagle3.engines`` this is test_acceptance[vllm] (with its speedup A/B) instead."""
     if "vllm" not in perf_session.profile.engines:
         pytest.skip(f"profile {perf_session.profile.name} has no vllm engine")
+    from kimi_perf.alignment.plan import eagle3_engines
+
+    if "vllm" in eagle3_engines(perf_session.profile.eagle3, perf_session.profile.engines):
+        pytest.skip("vllm is in eagle3.engines: measured by test_acceptance[vllm] and test_speedup_vs_no_spec[vllm]")
     from kimi_perf.engines.base import SpecConfig
 
     cfg = engine_config(perf_session, "vllm", target_model,
@@ -274,13 +309,14 @@ def test_acceptance_in_vllm(eagle3_drafter, eagle3_ab, perf_session, target_mode
         pytest.fail("vLLM exported no vllm:spec_decode_* counters: was --speculative-config applied?")
     if res.counters.accepted == 0:
         pytest.fail(f"vLLM accepted no draft token over {res.counters.drafts:.0f} drafts: {WIRING_HINT}")
-    ref = eagle3_ab["spec"][0]
+    primary = _engine(perf_session)
+    ref = _ab(request, eagle3_runs, primary).spec[0]
     samples = {"accept_length": [res.accept_length], "accept_rate": [res.accept_rate]}
     for i, r in enumerate(res.pos_rates()[:4]):
         samples[f"accept_rate_pos{i}"] = [r]
     table = ("| engine | accept length | accept rate | pos0 | pos1 | pos2 |\n|---|---|---|---|---|---|\n"
              + "\n".join(f"| {n} | {r.accept_length:.3f} | {r.accept_rate:.3f} | "
-                         + " | ".join(f"{x:.3f}" for x in r.pos_rates()[:3]) + " |" for n, r in (("reference", ref), ("vllm", res))))
+                         + " | ".join(f"{x:.3f}" for x in r.pos_rates()[:3]) + " |" for n, r in ((primary, ref), ("vllm", res))))
     log("eagle3 same drafter, two engines:\n" + table)
     perf_gate.check(scenario="eagle3_acceptance", engine="vllm", model=target_model.name,
                     workload=_workload(perf_session, eagle3_drafter), concurrency=1, samples=samples,

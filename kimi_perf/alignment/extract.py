@@ -334,6 +334,11 @@ def server_hidden_states(base_url: str, prompts: Sequence[Sequence[int]], max_ne
                 return list(await asyncio.gather(*(one(s, p) for p in prompts)))
             return [await one(s, p) for p in prompts]
 
+    # A speculative server verifies several tokens per step and stores a row per accepted one; a step
+    # that overshoots max_new_tokens may leave rows for tokens the response then cut off. Those rows lie
+    # past the returned sequence, after every covered position, so they are dropped (and counted);
+    # fewer rows than positions stays an error.
+    speculative = str(info.get("speculative_algorithm") or "").upper() not in ("", "NONE")
     out = []
     for ids, res in zip(prompts, asyncio.run(run())):
         meta = res["meta_info"]
@@ -343,14 +348,18 @@ def server_hidden_states(base_url: str, prompts: Sequence[Sequence[int]], max_ne
         output = list(res["output_ids"])
         covered = list(ids) + output[:-1]
         n = next(iter(parts.values())).shape[0]
-        if n != len(covered):
+        trimmed = ""
+        if speculative and n > len(covered):
+            parts = {k: v[: len(covered)] for k, v in parts.items()}
+            trimmed = f"; {n - len(covered)} trailing row(s) past the returned tokens dropped"
+        elif n != len(covered):
             raise AlignmentSetupError(f"server returned {n} hidden-state rows for {len(covered)} positions "
                                       "(prompt + output[:-1]): radix-cache hit or chunked prefill? (SGLang: "
                                       "--disable-radix-cache --chunked-prefill-size -1)")
         out.append(HiddenStates(parts, tuple(covered), Provenance(
             "server-inference", version, dtype, (0, len(covered)),
             note="prefill block + incremental decode with KV cache" + (", batched" if concurrent else "")
-            + f"; {plan.how}"),
+            + f"; {plan.how}{trimmed}"),
             output_ids=tuple(output)))
     return out
 
