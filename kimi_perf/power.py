@@ -348,6 +348,7 @@ class KeptSide:
 
 def _rounds(ns: Any, plants: list[float], entry: dict[str, Any], sides: Any, probes: list[Probe], spec: ABSpec,
             prompts: Any, t_start: float, save: Any) -> None:
+    failures = 0
     for r in range(ns.trials):
         order = plants[r % len(plants):] + plants[: r % len(plants)]
         for plant in order:
@@ -361,9 +362,13 @@ def _rounds(ns: Any, plants: list[float], entry: dict[str, Any], sides: Any, pro
             log(f"power: round {r + 1}/{ns.trials}, planted slowdown {plant:.0%} ({time.monotonic() - t_start:.0f}s)")
             try:
                 out = run_ab(base, cand, probes, spec, prompts)
+                failures = 0
             except ABSideError as e:
                 out = e.outcome
+                failures += 1
                 log(f"power: trial failed: {e}")
+                if failures >= 2:
+                    raise SystemExit(f"power: two trials in a row failed; stopping (last: {e})") from None
             entry["trials"].append(trial_record(out, plant, r))
             t = entry["trials"][-1]
             log(f"power: planted {plant:.0%} -> {t['verdict']} in {t['blocks']} blocks, {t['wall_s']:.0f}s")

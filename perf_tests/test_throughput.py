@@ -37,8 +37,12 @@ def test_single_stream_decode(perf_session, perf_server, prompt_factory, perf_ga
         perf_session.cache[("single", perf_server.name)] = samples["decode_tok_s"]  # reused by the floor test
         return samples
 
+    samples = run(f"{perf_server.name} single-stream")
+    ready = getattr(perf_server.process, "ready_s", None)
+    if ready is not None:  # launch-to-ready of this engine's server, reported (not gated) with its version
+        samples["server_ready_s"] = [ready]
     perf_gate.check(scenario="single_stream", engine=perf_server.name, model=target_model.name, workload=w.key,
-                    concurrency=1, samples=run(f"{perf_server.name} single-stream"), gated=tp.gated_single,
+                    concurrency=1, samples=samples, gated=tp.gated_single,
                     engine_version=perf_server.version,
                     confirm=lambda: run(f"{perf_server.name} single-stream (confirming)"))
 

@@ -135,7 +135,7 @@ _FIX = {
 
 
 def measure_repeat(server: RunningServer, workload: Workload, prompts: Sequence[Sequence[int]],
-                   *, label: str = "") -> dict[str, float]:
+                   *, label: str = "", max_error_rate: float = 0.02) -> dict[str, float]:
     """One repeat with the engine's CPU time and the host's steal fraction next to the client's metrics."""
     pgid = None
     if server.process is not None and server.process.pid is not None:
@@ -148,7 +148,9 @@ def measure_repeat(server: RunningServer, workload: Workload, prompts: Sequence[
     res = run_workload(server.base_url, server.model, prompts, workload, warmup_prompts=[])
     h1 = host_cpu()
     cpu_s = cpu.elapsed() if cpu is not None else None
-    check_errors(server, res, label)
+    # a stray failed stream among a C=128 batch (e.g. random-weight output that detokenises to no
+    # text) is counted, not fatal; a server that fails requests in earnest still stops the comparison
+    check_errors(server, res, label, max_error_rate)
     m = {k: float(v) for k, v in res.metrics.items()}
     toks = m.get("total_output_tokens", 0.0)
     m["engine_cpu_ms_per_tok"] = cpu_s / toks * 1000 if (cpu_s is not None and toks) else float("nan")
@@ -183,7 +185,8 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
             # one full batch of short requests: the probe's prefill and decode shapes, a few seconds
             warm_w = replace(p.workload, num_prompts=p.workload.concurrency, output_len=min(8, p.workload.output_len))
             try:
-                measure_repeat(srv, warm_w, prompts_for(warm_w, 10_000 + block), label=f"{role} {p.name} warm-up")
+                measure_repeat(srv, warm_w, prompts_for(warm_w, 10_000 + block), label=f"{role} {p.name} warm-up",
+                               max_error_rate=0.5)
             except BenchFailure as e:
                 out.error = f"{role} failed its warm-up: {e}"
                 raise ABSideError(role, sides[role].label, f"warm-up failed: {e}", _FIX[role], out) from None
