@@ -104,7 +104,7 @@ def load_series(path: Path) -> list[Series]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not a JSON line ({e.msg}); remove or repair that line") from None
         k = ln.get("key") or {}
-        name = f"{k.get('scenario')} {k.get('engine')} c={k.get('concurrency')} [{k.get('hardware')}]"
+        name = f"{k.get('scenario')} {k.get('engine')} {k.get('workload')} c={k.get('concurrency')} [{k.get('hardware')}]"
         mk = lambda v, _ln=ln: Point(_ln.get("time"), _ln.get("commit"), _ln.get("subject"), _ln.get("host"), v)  # noqa: E731
         for m, v in (ln.get("medians") or {}).items():
             series.setdefault(f"{name} {m}", []).append(mk(float(v)))
