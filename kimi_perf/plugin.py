@@ -324,6 +324,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if ab_items:
             items[:] = [i for i in items if i.get_closest_marker("ab") is None]
             config.hook.pytest_deselected(items=ab_items)
+            if not items and "ab" in str(config.getoption("markexpr", "") or "").replace("(", " ").split():
+                raise pytest.UsageError("-m ab selects the same-run A/B tests, which need a base to compare "
+                                        "against: add --perf-ab BASE (a profile variant, 'same' or git:REF)")
     need = s.profile.min_gpus if s.profile.hardware == "cuda" else 0
     missing = []
     if len(s.gpus) < need:

@@ -71,3 +71,9 @@ def test_ab_tests_are_deselected_without_perf_ab():
     r = subprocess.run([sys.executable, "-m", "pytest", "perf_tests/test_ab.py", "--collect-only", "-q",
                         "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert "deselected" in r.stdout and "no tests collected" in r.stdout, r.stdout
+
+
+def test_selecting_the_ab_tests_without_a_base_is_a_usage_error():
+    r = subprocess.run([sys.executable, "-m", "pytest", "perf_tests/test_ab.py", "-m", "ab", "--collect-only", "-q",
+                        "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 4 and "add --perf-ab BASE" in r.stderr, (r.stdout, r.stderr)

@@ -4,6 +4,7 @@ the ABBA schedule run against real (tiny, paced) servers."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -291,3 +292,37 @@ def test_pairs_measured_under_host_steal_are_redone(tmp_path, monkeypatch):
     out = runner.run_ab(FakeSide("base", tmp_path), FakeSide("candidate", tmp_path), _probes(), spec, _prompts)
     assert sum(p.redone for p in out.pairs) >= 1
     assert len(out.pairs) == 2 and os.environ.get(PLANT_ENV) is None
+
+
+@pytest.mark.slow
+def test_a_git_base_server_runs_the_worktree_code_not_the_candidates(tmp_path):
+    """`python -m` puts the working directory first on sys.path: a base started from the candidate's
+    directory would silently run the candidate's code while the report says git:REF."""
+    from kimi_perf.ab.runner import _check_source
+    from kimi_perf.bench import RunningServer
+    from kimi_perf.launcher import ServerProcess
+    from kimi_perf.models.dummy import ensure_dummy_model
+    from kimi_perf.profiles import DUMMY_SHAPES
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        base = resolve_base("git:HEAD", {}, root)
+    except ABConfigError as e:
+        pytest.skip(f"no git history here: {e}")
+    model = ensure_dummy_model("tiny-llama", DUMMY_SHAPES["tiny-llama"])
+    cand = ReferenceEngineConfig(name="tiny-candidate", model_path=str(model), load_format="dummy", device="cpu",
+                                 dtype="float32", context_length=256, max_running_requests=2, disable_cuda_graph=True)
+    cfg = base_engine_config(cand, base, build=None, cache_dir=tmp_path)
+    assert cfg.launch_spec(tmp_path).cwd == cfg.source_root
+    with ServerProcess(cfg.launch_spec(tmp_path)) as proc:
+        srv = RunningServer(cfg.name, "reference", proc.base_url, cfg.served_model_name, proc, cfg)
+        info = srv.get_json("/server_info")
+        assert Path(info["source_root"]).resolve() == Path(cfg.source_root).resolve() != root
+        _check_source(srv, "base", type("S", (), {"label": "git:HEAD"})(), None)  # does not raise
+        wrong = RunningServer(cfg.name, "reference", proc.base_url, "m", proc,
+                              dataclasses.replace(cfg, source_root=str(root)))
+        from kimi_perf.ab.runner import ABOutcome, ABSideError
+
+        out = ABOutcome("b", "c", ABSpec(), ())
+        with pytest.raises(ABSideError, match="runs the code in"):
+            _check_source(wrong, "base", type("S", (), {"label": "git:HEAD"})(), out)

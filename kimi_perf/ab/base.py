@@ -105,4 +105,10 @@ def base_engine_config(candidate: Any, base: ABBase, *, build: Any, cache_dir: P
                                 f"reference engine runs; engine {engine} is {cfg.kind}. Compare {cfg.kind} releases "
                                 "with a variant that has \"interpreter\": \"cli\" and --perf-ab-python")
         changes["source_root"] = str(ensure_worktree(base.git, cache_dir))
+        # the base server starts inside the worktree: paths given relative to the candidate's
+        # working directory must not change meaning
+        changes["model_path"] = str(Path(cfg.model_path).resolve())
+        spec = changes.get("spec", getattr(cfg, "spec", None))
+        if spec is not None:
+            changes["spec"] = dataclasses.replace(spec, draft_model_path=str(Path(spec.draft_model_path).resolve()))
     return dataclasses.replace(cfg, **changes)

@@ -179,6 +179,7 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
             raise ABSideError(role, sides[role].label, f"server did not start: {e}", _FIX[role], out) from None
         running[role] = srv
         out.versions[role] = srv.version
+        _check_source(srv, role, sides[role], out)
         ready = getattr(srv.process, "ready_s", None)
         out.launches.append({"role": role, "block": block, "ready_s": ready, "wall_s": time.monotonic() - t})
         for p in probes:  # first-use costs (allocator growth, kernel selection) stay out of the pairs
@@ -252,6 +253,28 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
     return out
 
 
+def _check_source(srv: RunningServer, role: str, side: Side, out: ABOutcome) -> None:
+    """A server that must run another source tree (a git base) says which one it runs; comparing the
+    candidate with itself while the report says "HEAD~1" would be the worst silent failure of a gate."""
+    from pathlib import Path
+
+    want = getattr(srv.config, "source_root", None)
+    if not want:
+        return
+    try:
+        got = srv.get_json("/server_info", timeout=30).get("source_root")
+    except (OSError, ValueError, AttributeError):
+        got = None
+    if got is None:
+        log(f"A/B {role}: the server does not report its source root (a commit older than that report): "
+            f"started in {want} with it first on PYTHONPATH")
+        return
+    if Path(got).resolve() != Path(want).resolve():
+        out.error = f"{role} runs {got}, not {want}"
+        raise ABSideError(role, side.label, f"the server runs the code in {got}, not the worktree {want}",
+                          "the base must import kimi_perf from its worktree: report this as a bug", out)
+
+
 def run_ab_prompts(base: Side, candidate: Side, prompts: Sequence[Sequence[int]], metric: str, spec: ABSpec,
                    measure: Callable[[RunningServer, Sequence[int]], float], *, probe: str) -> ABOutcome:
     """A/B of a metric that is deterministic for a given prompt (EAGLE-3 accept length under greedy
@@ -274,6 +297,7 @@ def run_ab_prompts(base: Side, candidate: Side, prompts: Sequence[Sequence[int]]
                 out.error = f"{role} did not start: {e}"
                 raise ABSideError(role, sides[role].label, f"server did not start: {e}", _FIX[role], out) from None
             out.versions[role] = running[role].version
+            _check_source(running[role], role, sides[role], out)
             out.launches.append({"role": role, "block": 0, "wall_s": time.monotonic() - t,
                                  "ready_s": getattr(running[role].process, "ready_s", None)})
         for i, p in enumerate(prompts):

@@ -9,6 +9,7 @@ live in separate environments with conflicting pins.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -111,6 +112,12 @@ class ReferenceEngineConfig(EngineConfig):
         else:
             a += ["--cuda-graph-max-bs-decode", str(self.cuda_graph_max_bs)]
         return a + list(self.extra_args)
+
+    def launch_spec(self, log_dir: Path) -> LaunchSpec:
+        # `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH: a server that
+        # must run another source tree (the A/B base's worktree) has to start inside it
+        spec = super().launch_spec(log_dir)
+        return dataclasses.replace(spec, cwd=self.source_root) if self.source_root else spec
 
     def environ(self) -> dict[str, str]:
         # the engine imports kimi_perf from this checkout (or the A/B base's worktree) even when it is
