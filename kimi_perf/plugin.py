@@ -448,7 +448,6 @@ class PerfGate:
                 + "\n  ".join(d.message() for d in fails))
         return decisions
 
-
     def check_ab(self, outcome: ABOutcome, *, scenario: str, engine: str, model: str,
                  extra: Mapping[str, Any] | None = None, fail: bool = True) -> list[ABDecision]:
         """Record a same-run A/B outcome (every pair, every decision) and gate it: a FAIL raises
@@ -558,11 +557,10 @@ class PerfCollector:
 
         tr = terminalreporter
         tr.write_sep("=", f"kimi-perf summary: profile {s.profile.name}, hardware {s.hardware}, repeats {s.repeats}")
-        rows = summary_rows(s.results)
-        if rows or not ab_rows(s.results):
+        rows, abr = summary_rows(s.results), ab_rows(s.results)
+        if rows or not abr:
             for line in text_table(rows).splitlines():
                 tr.write_line(line)
-        abr = ab_rows(s.results)
         if abr:
             tr.write_sep("-", "same-run A/B: candidate vs base, interleaved in this job")
             for line in [*text_table(abr, AB_HEADERS).splitlines(), *ab_detail_lines(s.results)]:
