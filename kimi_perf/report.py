@@ -159,6 +159,7 @@ def _plot_ab(results: list[dict[str, Any]], path: Path) -> Path | None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
     for ax, (rec, d) in zip(axes[0], panels):
@@ -170,6 +171,13 @@ def _plot_ab(results: list[dict[str, Any]], path: Path) -> Path | None:
                 xs.append(p["block"] + 0.15 * p["index"])
                 ys.append(c / b)
         ax.scatter(xs, ys, s=14, color="tab:blue", label="pair ratio")
+        by_block: dict[int, list[float]] = {}
+        for x, y in zip(xs, ys):
+            by_block.setdefault(int(x), []).append(y)
+        if by_block:  # the block summaries the interval is computed from
+            bx = sorted(by_block)
+            ax.scatter(bx, [float(np.median(by_block[b])) for b in bx], s=60, marker="_", color="black",
+                       label="block median")
         if math.isfinite(d["ratio"]):
             ax.axhspan(d["ratio_lo"], d["ratio_hi"], color="tab:blue", alpha=0.15,
                        label=f"{d['level']:.1%} interval")
