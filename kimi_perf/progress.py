@@ -20,9 +20,12 @@ _lock = threading.Lock()
 _t0 = time.monotonic()
 
 
-def set_sink(sink: Callable[[str], None] | None) -> None:
+def set_sink(sink: Callable[[str], None] | None) -> Callable[[str], None] | None:
+    """Route progress lines to ``sink`` (None: stderr); returns the previous sink, which a caller that
+    borrows the sink (a test) must put back -- the session's sink is what makes long steps visible."""
     global _sink
-    _sink = sink
+    prev, _sink = _sink, sink
+    return prev
 
 
 def log(msg: str) -> None:

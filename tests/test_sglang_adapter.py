@@ -296,9 +296,9 @@ def test_deprecation_warnings_are_kept_and_logged_at_launch(tmp_path):
     assert [w.split(":")[0] for w in warns] == ["--disable-cuda-graph", "--cuda-graph-max-bs"]
     assert c.describe()["flag_warnings"] == warns
     lines: list[str] = []
-    progress.set_sink(lines.append)
+    prev = progress.set_sink(lines.append)
     try:
         c.launch_spec(tmp_path)
     finally:
-        progress.set_sink(None)
+        progress.set_sink(prev)  # the session's sink: later tests' progress lines must still show
     assert len(lines) == 2 and "s17: --disable-cuda-graph: SGLang 0.5.17: deprecated" in lines[0]
