@@ -30,19 +30,36 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ChangePoint", "Series", "append_history", "change_points", "history_lines", "load_series"]
+from .engines.reference import PLANT_ENV
+
+__all__ = ["ChangePoint", "Series", "append_history", "change_points", "history_lines", "load_series",
+           "planted_slowdown"]
 
 HISTORY_VERSION = 1
 
 
+def planted_slowdown(env: Mapping[str, str] | None = None) -> float | None:
+    """The planted slowdown this run's reference engine burns (``KIMI_PERF_PLANT_SLOWDOWN``), or None.
+
+    Stamped on every history line, so a step that a power experiment planted is never read later as a
+    regression of the commit it ran on."""
+    raw = (os.environ if env is None else env).get(PLANT_ENV, "").strip()
+    try:
+        v = float(raw) if raw else 0.0
+    except ValueError:
+        return None
+    return v if v > 0 else None
+
+
 def history_lines(results: Iterable[Mapping[str, Any]], *, profile: str, hardware: str, commit: Mapping[str, Any],
-                  machine: Mapping[str, Any]) -> list[dict[str, Any]]:
+                  machine: Mapping[str, Any], env: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """One line per recorded result: medians (or A/B ratios) with the run's provenance."""
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     prov = {"v": HISTORY_VERSION, "time": stamp, "profile": profile, "hardware": hardware,
             "host": machine.get("node"), "cpu": machine.get("cpu"),
             "gpus": [g.get("name") for g in machine.get("gpus", [])],
-            "commit": commit.get("id"), "dirty": commit.get("dirty"), "subject": commit.get("subject")}
+            "commit": commit.get("id"), "dirty": commit.get("dirty"), "subject": commit.get("subject"),
+            "planted_slowdown": planted_slowdown(env)}
     out = []
     for rec in results:
         line: dict[str, Any] = {**prov, "nodeid": rec.get("nodeid"), "key": rec.get("key"),
@@ -82,6 +99,7 @@ class Point:
     subject: str | None
     host: str | None
     value: float
+    planted: float | None = None  # the run's planted slowdown, when a power experiment set one
 
 
 @dataclass(frozen=True)
@@ -105,7 +123,8 @@ def load_series(path: Path) -> list[Series]:
             raise ValueError(f"{path}:{n}: not a JSON line ({e.msg}); remove or repair that line") from None
         k = ln.get("key") or {}
         name = f"{k.get('scenario')} {k.get('engine')} {k.get('workload')} c={k.get('concurrency')} [{k.get('hardware')}]"
-        mk = lambda v, _ln=ln: Point(_ln.get("time"), _ln.get("commit"), _ln.get("subject"), _ln.get("host"), v)  # noqa: E731
+        mk = lambda v, _ln=ln: Point(_ln.get("time"), _ln.get("commit"), _ln.get("subject"), _ln.get("host"), v,  # noqa: E731
+                                     _ln.get("planted_slowdown"))
         for m, v in (ln.get("medians") or {}).items():
             series.setdefault(f"{name} {m}", []).append(mk(float(v)))
         for m, v in ((ln.get("ab") or {}).get("ratios") or {}).items():
@@ -163,6 +182,8 @@ def _cli(argv: list[str] | None = None) -> int:
         all_series = [s for s in all_series if any(f" {m}" in s.name for m in ns.metric)]
     found: list[ChangePoint] = []
     print(f"{path}: {len(all_series)} series")
+    if ns.metric and not all_series:
+        print(f"  no series of metric(s) {ns.metric}")
     for s in sorted(all_series, key=lambda s: s.name):
         cps = change_points(s, max_pvalue=ns.pvalue, min_points=ns.min_points)
         found += cps
@@ -172,10 +193,12 @@ def _cli(argv: list[str] | None = None) -> int:
         for c in cps:
             print(f"    at run {c.index + 1}/{len(s.points)}: commit {(c.at.commit or '?')[:10]} {c.at.subject or ''!s:.60} "
                   f"({c.at.time}, host {c.at.host}): mean {c.mean_before:.4g} -> {c.mean_after:.4g} "
-                  f"({c.change:+.1%}), p={c.pvalue:.2g}")
+                  f"({c.change:+.1%}), p={c.pvalue:.2g}"
+                  + (f"; PLANTED slowdown {c.at.planted:g} in that run, not the commit's" if c.at.planted else ""))
     if ns.json:
         print(json.dumps([{"series": c.series, "index": c.index, "commit": c.at.commit, "time": c.at.time,
-                           "mean_before": c.mean_before, "mean_after": c.mean_after, "pvalue": c.pvalue}
+                           "mean_before": c.mean_before, "mean_after": c.mean_after, "pvalue": c.pvalue,
+                           "planted_slowdown": c.at.planted}
                           for c in found], indent=1))
     return 0
 

@@ -6,7 +6,14 @@ import json
 
 import numpy as np
 
-from kimi_perf.history import _cli, append_history, change_points, history_lines, load_series
+from kimi_perf.history import (
+    _cli,
+    append_history,
+    change_points,
+    history_lines,
+    load_series,
+    planted_slowdown,
+)
 
 KEY = {"scenario": "single_stream", "engine": "reference", "model": "m", "hardware": "cpu-x86_64-2c",
        "workload": "w-1", "concurrency": 1}
@@ -56,3 +63,25 @@ def test_a_flat_history_has_no_change_point_and_short_series_are_skipped(tmp_pat
     (s,) = load_series(path)
     assert change_points(s) == []
     assert change_points(type(s)(s.name, s.points[:4])) == []
+
+
+def test_a_planted_step_is_stamped_and_named_as_planted_not_as_the_commits(tmp_path, capsys):
+    """A power experiment's planted slowdown lands in the same history as real runs; the change point
+    it makes must say it was planted, or a later reader blames the commit it ran on."""
+    path = tmp_path / "embedded-cpu.jsonl"
+    rng = np.random.default_rng(3)
+    commit = {"id": "d" * 40, "dirty": False, "subject": "one commit, measured 16 times"}
+    for i in range(16):
+        env = {"KIMI_PERF_PLANT_SLOWDOWN": "0.3"} if i >= 8 else {}
+        level = 18.0 / (1.3 if i >= 8 else 1.0)
+        append_history(path, history_lines([_record(level * (1 + 0.02 * rng.standard_normal()))],
+                                           profile="embedded-cpu", hardware="cpu-x86_64-2c", commit=commit,
+                                           machine={"node": "box"}, env=env))
+    raw = [json.loads(ln) for ln in path.read_text().splitlines()]
+    assert [r["planted_slowdown"] for r in raw] == [None] * 8 + [0.3] * 8
+    assert _cli(["embedded-cpu", "--dir", str(tmp_path), "--metric", "decode_tok_s"]) == 0
+    out = capsys.readouterr().out
+    assert "at run 9/16" in out and "PLANTED slowdown 0.3 in that run, not the commit's" in out
+    # a malformed switch is not a planted slowdown, and zero is none
+    assert planted_slowdown({"KIMI_PERF_PLANT_SLOWDOWN": "x"}) is None
+    assert planted_slowdown({"KIMI_PERF_PLANT_SLOWDOWN": "0"}) is None
