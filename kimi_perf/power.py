@@ -179,6 +179,15 @@ def summarize(entry: dict[str, Any], spec: ABSpec, probes: Sequence[Probe], *, r
     return out
 
 
+def _commits(e: dict[str, Any]) -> str:
+    """The commit(s) the trials ran at: a study continued across commits says so."""
+    seen = list(dict.fromkeys(str(t.get("commit") or e.get("commit"))[:10] for t in e.get("trials", [])))
+    if len(seen) <= 1:
+        return f"commit {seen[0] if seen else str(e.get('commit'))[:10]}"
+    counts = {c: sum(1 for t in e["trials"] if str(t.get("commit") or e.get("commit"))[:10] == c) for c in seen}
+    return "commits " + ", ".join(f"{c} ({n} trials)" for c, n in counts.items())
+
+
 def markdown(doc: dict[str, Any]) -> str:
     lines = ["# A/B gate power (measured)", "",
              "Written by `python -m kimi_perf.power`; rates are FAIL verdicts per trial. A/A (plant 0): a FAIL "
@@ -189,7 +198,7 @@ def markdown(doc: dict[str, Any]) -> str:
         s = e.get("summary", {})
         lines += [f"## {label}", "", f"{e.get('machine', {}).get('cpu', '?')}, "
                   f"{', '.join(g.get('name', '') for g in e.get('machine', {}).get('gpus', [])) or 'no GPU'}; "
-                  f"profile {e.get('profile')}, engine {e.get('engine')}, commit {str(e.get('commit'))[:10]}; "
+                  f"profile {e.get('profile')}, engine {e.get('engine')}, {_commits(e)}; "
                   f"threshold {e['spec']['threshold']:.1%}, alpha {e['spec']['alpha']}, blocks "
                   f"{e['spec']['min_blocks']}-{e['spec']['max_blocks']} x {e['spec']['repeats_per_block']} pairs, "
                   f"relaunch {e['spec']['relaunch']}; servers {e.get('servers', '?')}", "",
@@ -288,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     entry["servers"] = ("launched once per side and condition, reused by every trial (launch effect not sampled)"
                         if ns.reuse_servers else "launched by every trial, and every block when spec.relaunch")
     entry["engine_settings"] = {k: v for k, v in over.items() if k != "load_format"}
+    for t in entry["trials"]:  # trials of an earlier continuation ran at the commit the entry named then
+        t.setdefault("commit", entry.get("commit"))
     entry.update(machine=machine_info(), commit=commit_info(root).get("id"))
     doc["machines"][label] = entry
     plants = [float(x) for x in ns.plants.split(",")]
@@ -369,7 +380,7 @@ def _rounds(ns: Any, plants: list[float], entry: dict[str, Any], sides: Any, pro
                 log(f"power: trial failed: {e}")
                 if failures >= 2:
                     raise SystemExit(f"power: two trials in a row failed; stopping (last: {e})") from None
-            entry["trials"].append(trial_record(out, plant, r))
+            entry["trials"].append({**trial_record(out, plant, r), "commit": entry.get("commit")})
             t = entry["trials"][-1]
             log(f"power: planted {plant:.0%} -> {t['verdict']} in {t['blocks']} blocks, {t['wall_s']:.0f}s")
             save()

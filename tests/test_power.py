@@ -1,0 +1,64 @@
+"""The power study's bookkeeping: exact intervals, the replay of recorded blocks by the gate's own rule,
+and the summary and table written to ``benchmarks/gate-power.*`` (the trials themselves need servers
+and run in ``python -m kimi_perf.power``)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kimi_perf.ab.config import ABSpec
+from kimi_perf.ab.runner import Probe
+from kimi_perf.power import clopper_pearson, markdown, replay, summarize
+
+SPEC = ABSpec(threshold=0.05, alpha=0.1, repeats_per_block=5, min_blocks=3, max_blocks=6)
+PROBES = [Probe("single_stream", None, ("decode_tok_s",)),  # type: ignore[arg-type]
+          Probe("c8", None, ("output_throughput",))]  # type: ignore[arg-type]
+
+
+def _blocks(shift: float, n: int, sd: float = 0.03, seed: int = 0) -> list[dict[str, list[float]]]:
+    rng = np.random.default_rng(seed)
+    return [{"single_stream:decode_tok_s": list(shift + sd * rng.standard_normal(5)),
+             "c8:output_throughput": list(shift + sd * rng.standard_normal(5))} for _ in range(n)]
+
+
+def test_clopper_pearson_is_the_exact_binomial_interval():
+    assert clopper_pearson(0, 4) == (0.0, pytest.approx(0.6024, abs=1e-4))
+    lo, hi = clopper_pearson(4, 4)
+    assert lo == pytest.approx(0.3976, abs=1e-4) and hi == 1.0
+    assert clopper_pearson(0, 0) == (0.0, 1.0)
+
+
+def test_replay_applies_the_gates_rule_identical_code_passes_a_10pct_slowdown_fails():
+    aa = replay(_blocks(0.0, 12), SPEC, PROBES, n_trials=300)
+    slow = replay(_blocks(math.log(0.9), 12, seed=1), SPEC, PROBES, n_trials=300)
+    assert aa["fail"] == 0 and aa["pass"] > 250
+    assert slow["fail"] == 300 and slow["mean_blocks"] == pytest.approx(3.0)
+    # a change the size of the threshold cannot be decided either way: the budget runs out
+    edge = replay(_blocks(math.log(0.95), 12, seed=2), SPEC, PROBES, n_trials=300)
+    assert edge["inconclusive"] > 150 and edge["mean_blocks"] > 5
+
+
+def _trial(plant: float, verdict: str, commit: str | None, shift: float) -> dict:
+    per = _blocks(shift, 3, seed=int(plant * 100))
+    return {"plant": plant, "round": 0, "verdict": verdict, "blocks": 3, "wall_s": 300.0, "error": None,
+            "block_log_ratios": {k: [b[k] for b in per] for k in per[0]}, **({"commit": commit} if commit else {})}
+
+
+def test_summary_counts_verdicts_per_condition_and_the_table_names_every_commit_the_trials_ran_at():
+    entry = {"profile": "embedded-cpu", "engine": "reference", "hardware_class": "cpu", "commit": "b" * 40,
+             "spec": {"threshold": 0.05, "alpha": 0.1, "min_blocks": 3, "max_blocks": 6, "repeats_per_block": 5,
+                      "relaunch": True},
+             "trials": [_trial(0.0, "PASS", "a" * 40, 0.0), _trial(0.0, "PASS", None, 0.0),
+                        _trial(0.1, "FAIL", "a" * 40, math.log(0.9)), _trial(0.1, "FAIL", None, math.log(0.9))]}
+    s = summarize(entry, SPEC, PROBES, replay_trials=50)
+    c0, c1 = s["conditions"]["0"], s["conditions"]["0.1"]
+    assert (c0["trials"], c0["fail"], c0["pass"]) == (2, 0, 2) and c0["fail_rate_ci95"][1] == pytest.approx(0.8419, abs=1e-3)
+    assert c1["fail"] == 2 and c1["replay"]["fail"] == 50 and c1["replay"]["blocks_pool"] == 6
+    entry["summary"] = s
+    md = markdown({"machines": {"cpu-x86_64-2c": entry}})
+    assert "commits aaaaaaaaaa (2 trials), bbbbbbbbbb (2 trials)" in md
+    assert "| 0% | 2 | 0/2 [0.00, 0.84] | 0/2 | 300 | 0.000 (50 from 6 blocks) | 0.000 |" in md
+    assert "| 10% | 2 | 2/2 [0.16, 1.00] | 0/2 | 300 | 1.000 (50 from 6 blocks) | 0.000 |" in md
