@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .engines.reference import PLANT_ENV
+from .engines.reference import planted_fraction
 
 __all__ = ["ChangePoint", "Series", "append_history", "change_points", "history_lines", "load_series",
            "planted_slowdown"]
@@ -43,11 +43,10 @@ def planted_slowdown(env: Mapping[str, str] | None = None) -> float | None:
 
     Stamped on every history line, so a step that a power experiment planted is never read later as a
     regression of the commit it ran on."""
-    raw = (os.environ if env is None else env).get(PLANT_ENV, "").strip()
     try:
-        v = float(raw) if raw else 0.0
+        v = planted_fraction(os.environ if env is None else env)
     except ValueError:
-        return None
+        return None  # the engine refuses to start on it: nothing was planted
     return v if v > 0 else None
 
 

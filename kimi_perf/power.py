@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -181,10 +182,9 @@ def summarize(entry: dict[str, Any], spec: ABSpec, probes: Sequence[Probe], *, r
 
 def _commits(e: dict[str, Any]) -> str:
     """The commit(s) the trials ran at: a study continued across commits says so."""
-    seen = list(dict.fromkeys(str(t.get("commit") or e.get("commit"))[:10] for t in e.get("trials", [])))
-    if len(seen) <= 1:
-        return f"commit {seen[0] if seen else str(e.get('commit'))[:10]}"
-    counts = {c: sum(1 for t in e["trials"] if str(t.get("commit") or e.get("commit"))[:10] == c) for c in seen}
+    counts = Counter(str(t.get("commit") or e.get("commit"))[:10] for t in e.get("trials", []))
+    if len(counts) <= 1:
+        return f"commit {next(iter(counts), str(e.get('commit'))[:10])}"
     return "commits " + ", ".join(f"{c} ({n} trials)" for c, n in counts.items())
 
 

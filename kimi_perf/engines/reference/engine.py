@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import PLANT_ENV
+from . import PLANT_ENV, planted_fraction
 from .model import CaptureSpec, LlamaRunner
 
 __all__ = ["PLANT_ENV", "Engine", "EngineStats", "SamplingParams", "Sequence", "StepEvent"]
@@ -157,9 +157,7 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.fatal: str | None = None
-        self.plant = float(os.environ.get(PLANT_ENV, "0") or 0)
-        if not 0 <= self.plant < 10:
-            raise ValueError(f"{PLANT_ENV}={self.plant}: a fraction of each decode step, e.g. 0.10")
+        self.plant = planted_fraction(os.environ)
         self._ids = itertools.count()
         self._flush_requested = False
 
