@@ -31,7 +31,7 @@ from .metrics import METRICS
 SCHEMA_VERSION = 1
 KEY_FIELDS = ("scenario", "engine", "model", "hardware", "workload", "concurrency")
 
-__all__ = ["BaselineEntry", "BaselineError", "BaselineKey", "BaselineStore", "atomic_write_json"]
+__all__ = ["BaselineEntry", "BaselineError", "BaselineKey", "BaselineStore", "atomic_write_json", "entries_from_results"]
 
 
 class BaselineError(ValueError):
@@ -244,6 +244,37 @@ class BaselineStore:
         return self.path
 
 
+def entries_from_results(results: Iterable[Mapping[str, Any]], *, commit: Mapping[str, Any],
+                         machine: Mapping[str, Any]) -> list[BaselineEntry]:
+    """Baseline entries for the measured results of one run (a session's records or a run.json's
+    ``results``): what ``--perf-update-baselines`` writes and ``python -m kimi_perf.baselines record``
+    replays from a run file. Only passed, non-A/B results qualify: in update mode regressions do not
+    fail, so a failed test failed for another reason and its numbers are no baseline; an A/B outcome
+    compares two sides of one run and is no baseline at all."""
+    import time as _time
+
+    # a baseline measured on uncommitted code must not claim the commit it was built on
+    sha = commit.get("id")
+    if sha and commit.get("dirty"):
+        sha += "+dirty"
+    entries = []
+    for rec in results:
+        if rec.get("outcome") != "passed" or rec.get("ab"):
+            continue
+        entries.append(BaselineEntry(
+            key=BaselineKey(**rec["key"]),
+            metrics={m: MetricSamples(METRICS[m].unit, METRICS[m].direction, tuple(v))
+                     for m, v in rec["samples"].items() if v},
+            engine_version=rec.get("engine_version"),
+            recorded_at=_time.strftime("%Y-%m-%dT%H:%M:%SZ", _time.gmtime(rec.get("time", _time.time()))),
+            commit=sha, source=f"measured by {rec['nodeid']}",
+            machine={"cpu": machine.get("cpu"), "cpu_count": machine.get("cpu_count"),
+                     "gpus": [g["name"] if isinstance(g, Mapping) else g for g in machine.get("gpus", [])]},
+            extra=dict(rec.get("extra") or {}),
+        ))
+    return entries
+
+
 def _cli(argv: list[str] | None = None) -> int:
     """``python -m kimi_perf.baselines keys|add``: list a profile's keys, or record an *externally
     measured* figure (another team's run, a vendor number) with its source, as a one-sample entry.
@@ -266,7 +297,24 @@ def _cli(argv: list[str] | None = None) -> int:
     a.add_argument("--metric", action="append", required=True, help="NAME=VALUE[,VALUE...]")
     a.add_argument("--engine-version", default=None)
     a.add_argument("--dir", default="baselines")
+    r = sub.add_parser("record", help="record the passed results of a run file (report dir's run.json) as "
+                                      "baselines, as --perf-update-baselines would have at the end of that run")
+    r.add_argument("run_json", help="run.json written by a pytest -m perf run")
+    r.add_argument("--commit", default=None,
+                   help="commit the run's code was (default: the run file's, '+dirty' when it was dirty)")
+    r.add_argument("--dir", default="baselines")
     ns = ap.parse_args(argv)
+    if ns.cmd == "record":
+        run = json.loads(_P(ns.run_json).read_text())
+        commit = dict(run.get("commit") or {})
+        if ns.commit:
+            commit = {"id": ns.commit, "dirty": False}
+        entries = entries_from_results(run.get("results", []), commit=commit, machine=run.get("machine") or {})
+        skipped = len(run.get("results", [])) - len(entries)
+        store = BaselineStore(_P(ns.dir) / f"{run['profile']}.json", run["profile"])
+        print(f"{store.write(entries)}: {len(entries)} entries recorded from {ns.run_json}"
+              + (f" ({skipped} failed or A/B results left out)" if skipped else ""))
+        return 0
     prof = load_profile(_P("profiles") / f"{ns.profile}.json")
     if ns.cmd == "keys":
         tp = prof.throughput

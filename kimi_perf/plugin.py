@@ -33,7 +33,12 @@ import pytest
 
 from .ab.base import ABBase
 from .ab.config import ABConfigError
-from .baselines import BaselineEntry, BaselineError, BaselineKey, BaselineStore, MetricSamples
+from .baselines import (
+    BaselineError,
+    BaselineKey,
+    BaselineStore,
+    entries_from_results,
+)
 from .machine import commit_info, gpu_info, hardware_key, machine_info
 from .metrics import METRICS, get_metric
 from .profiles import Profile, ProfileError, find_profile, load_profile
@@ -524,28 +529,7 @@ class PerfCollector:
                                                          commit=commit, machine=minfo))
         if not s.update:
             return
-        # a baseline measured on uncommitted code must not claim the commit it was built on
-        sha = commit.get("id")
-        if sha and commit.get("dirty"):
-            sha += "+dirty"
-        entries = []
-        for rec in s.results:
-            # in update mode regressions do not fail, so a failed test failed for another reason:
-            # its numbers are not trustworthy baselines; an A/B outcome compares two sides of one run
-            # and is no baseline at all
-            if rec.get("outcome") != "passed" or rec.get("ab"):
-                continue
-            entries.append(BaselineEntry(
-                key=BaselineKey(**rec["key"]),
-                metrics={m: MetricSamples(METRICS[m].unit, METRICS[m].direction, tuple(v))
-                         for m, v in rec["samples"].items() if v},
-                engine_version=rec.get("engine_version"),
-                recorded_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(rec.get("time", time.time()))),
-                commit=sha, source=f"measured by {rec['nodeid']}",
-                machine={"cpu": minfo.get("cpu"), "cpu_count": minfo.get("cpu_count"),
-                         "gpus": [g["name"] for g in minfo.get("gpus", [])]},
-                extra=rec.get("extra") or {},
-            ))
+        entries = entries_from_results(s.results, commit=commit, machine=minfo)
         if entries:
             self.updated = (s.store.write(entries), len(entries))
 

@@ -87,3 +87,40 @@ def test_crash_mid_write_leaves_old_file(tmp_path, monkeypatch):
         st.write([BaselineEntry(key=BaselineKey(**KEY), metrics={"tpot_ms_p50": MetricSamples("ms", "lower", (1.0,))})])
     assert p.read_text() == before
     assert [f.name for f in tmp_path.iterdir()] == ["p.json"]  # no temp file left behind
+
+
+def _run_file(tmp_path, *, dirty):
+    key = {"scenario": "single_stream", "engine": "vllm", "model": "m", "hardware": "gpu-h200-x1",
+           "workload": "w", "concurrency": 1}
+    results = [
+        {"nodeid": "t::a[vllm]", "key": key, "samples": {"decode_tok_s": [500.0, 510.0]}, "outcome": "passed",
+         "engine_version": "0.26.0", "time": 1796340121.0, "extra": {"note": "x"}},
+        {"nodeid": "t::b[vllm]", "key": {**key, "scenario": "alignment_engine_vs_hf"},
+         "samples": {"cosine_min": [0.4]}, "outcome": "failed", "engine_version": "0.26.0", "time": 1796340121.0},
+        {"nodeid": "t::ab", "key": {**key, "scenario": "ab"}, "samples": {"decode_tok_s": [1.0]},
+         "outcome": "passed", "ab": {"verdict": "PASS"}, "time": 1796340121.0},
+    ]
+    p = tmp_path / "run.json"
+    p.write_text(json.dumps({"profile": "h200-engines", "commit": {"id": "abc123", "dirty": dirty},
+                             "machine": {"cpu": "Xeon", "cpu_count": 16, "gpus": [{"name": "NVIDIA H200"}]},
+                             "results": results}))
+    return p
+
+
+def test_record_from_run_file_keeps_passed_results_only(tmp_path, capsys):
+    run = _run_file(tmp_path, dirty=True)
+    assert bl._cli(["record", str(run), "--dir", str(tmp_path)]) == 0
+    assert "1 entries recorded" in capsys.readouterr().out
+    store = BaselineStore(tmp_path / "h200-engines.json", "h200-engines")
+    (entry,) = store.entries.values()
+    assert entry.key.scenario == "single_stream" and entry.metrics["decode_tok_s"].samples == (500.0, 510.0)
+    # the run file says its tree was dirty: the entry must not claim the clean commit
+    assert entry.commit == "abc123+dirty" and entry.engine_version == "0.26.0"
+    assert entry.machine["gpus"] == ["NVIDIA H200"] and entry.source == "measured by t::a[vllm]"
+
+
+def test_record_commit_override(tmp_path):
+    run = _run_file(tmp_path, dirty=True)
+    assert bl._cli(["record", str(run), "--dir", str(tmp_path), "--commit", "def456"]) == 0
+    (entry,) = BaselineStore(tmp_path / "h200-engines.json", "h200-engines").entries.values()
+    assert entry.commit == "def456"
