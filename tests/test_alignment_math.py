@@ -166,3 +166,34 @@ def test_quantization_signature():
     s = np.abs(x).max(1, keepdims=True) / 127
     assert quantization_signature(np.round(x / s) * s).startswith("int8")
     assert quantization_signature(x) is None
+
+
+def test_rows_below_names_the_failing_positions():
+    import numpy as np
+
+    from kimi_perf.alignment.diagnose import rows_below
+
+    cos = np.ones(160)
+    cos[148:] = 0.4
+    assert rows_below(cos, 0.99) == "12/160 rows below threshold: 148-159 (the last 12)"
+    cos = np.ones(64)
+    cos[[15, 31, 47]] = 0.5
+    assert rows_below(cos, 0.99) == "3/64 rows below threshold: 15, 31, 47"
+    assert rows_below(np.ones(8), 0.99) == "no row below threshold"
+
+
+def test_unexplained_mismatch_says_where(tmp_path):
+    import numpy as np
+
+    from kimi_perf.alignment.diagnose import check_alignment
+    from kimi_perf.alignment.extract import HiddenStates, Provenance
+
+    rng = np.random.default_rng(0)
+    x = {k: rng.standard_normal((40, 16)).astype(np.float32) for k in (1, 2, 3)}
+    y = {k: v.copy() for k, v in x.items()}
+    y[2][-5:] = rng.standard_normal((5, 16))  # the last five rows are garbage, nothing else explains them
+    toks = tuple(range(40))
+    a = HiddenStates(x, toks, Provenance("a", "1", "float32", (0, 40)))
+    b = HiddenStates(y, toks, Provenance("b", "1", "float32", (0, 40)))
+    (v,) = check_alignment(a, b, [2], threshold=0.999, norm_ratio_tol=10.0).verdicts
+    assert not v.ok and "unexplained mismatch" in v.cause and "35-39 (the last 5)" in v.cause, v.cause

@@ -142,6 +142,29 @@ def diagnose_layer(extracted: np.ndarray, layer: Layer, inference: HiddenStates,
     return cands
 
 
+def rows_below(cos: np.ndarray, threshold: float, *, max_runs: int = 4) -> str:
+    """Where a layer fails, in token positions: ``"12/160 rows below threshold: 148-159 (the last 12)"``.
+
+    Why: an unexplained mismatch is usually *positional* -- a capture that misses the last decode
+    step's rows, a block-boundary bug every 16 tokens, a stale first row -- and the position pattern
+    names it when no layer, norm or shift transform does."""
+    bad = np.flatnonzero(cos < threshold)
+    if bad.size == 0:
+        return "no row below threshold"
+    runs: list[tuple[int, int]] = []
+    for i in bad.tolist():
+        if runs and i == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    n = int(cos.shape[0])
+    shown = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:max_runs])
+    more = f", ... ({len(runs)} runs)" if len(runs) > max_runs else ""
+    tail = f" (the last {n - runs[-1][0]})" if len(runs) == 1 and runs[-1][1] == n - 1 and runs[-1][0] > 0 else ""
+    head = " (from the first row)" if len(runs) == 1 and runs[0][0] == 0 and runs[0][1] < n - 1 else ""
+    return f"{bad.size}/{n} rows below threshold: {shown}{more}{tail}{head}"
+
+
 def check_alignment(
     extracted: HiddenStates,
     inference: HiddenStates,
@@ -187,7 +210,8 @@ def check_alignment(
                 if q is not None:
                     v.cause = f"precision loss: extracted values are rounded to {q}"
                 else:
-                    v.cause = "unexplained mismatch (no neighbouring layer, norm or token shift matches better)"
+                    v.cause = ("unexplained mismatch (no neighbouring layer, norm or token shift matches better); "
+                               + rows_below(c.cos, threshold))
                 v.message = f"layer {k}: {why}; {v.cause}"
             if not norm_ok and v.cause and "norm" not in v.cause and c.cos_min >= threshold:
                 v.cause = f"scale mismatch (norm ratio {c.norm_ratio_median:.3f}): {v.cause}"
