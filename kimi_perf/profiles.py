@@ -276,6 +276,8 @@ def _load_profile(path: Path) -> Profile:
     ar = raw.get("allreduce", {})
     if ar:
         _check_allreduce(path, ar)
+    if raw.get("nccl"):
+        _check_nccl(path, raw["nccl"], engines)
     from .alignment.plan import PlanError, check_alignment_section, check_eagle3_section
 
     try:
@@ -301,6 +303,35 @@ def _load_profile(path: Path) -> Profile:
         alignment=raw.get("alignment", {}), nccl=raw.get("nccl", {}), sources=raw.get("sources", {}),
         hardware_match=hm, allreduce=ar, ab=ab, variants=variants,
     )
+
+
+NCCL_KEYS = frozenset({"engine", "presets", "concurrency", "min_ratio"})
+
+
+def _check_nccl(path: Path, nc: Mapping[str, Any], engines: Mapping[str, Any]) -> None:
+    """The ``nccl`` section (the engine-level NCCL preset A/B of perf_tests/test_engine_presets.py).
+    Validated like every other section: a typo such as ``"min_ration"`` would otherwise fall back to
+    the default silently and gate on a threshold nobody chose."""
+    from .engines.presets import NCCL_PRESETS
+
+    bad = set(nc) - NCCL_KEYS
+    if bad:
+        raise _e(path, "nccl", f"unknown key(s) {sorted(bad)}", f"allowed keys: {sorted(NCCL_KEYS)}")
+    eng = nc.get("engine")
+    if eng is not None and eng not in engines:
+        raise _e(path, "nccl.engine", f"{eng!r} is not an engine of the profile", f"one of {sorted(engines)}")
+    presets = nc.get("presets", [])
+    if (not isinstance(presets, list) or len(presets) < 2
+            or not all(isinstance(p, str) and p in NCCL_PRESETS for p in presets)):
+        raise _e(path, "nccl.presets", f"{presets!r}",
+                 f"a list of >= 2 preset names, the reference first; presets: {', '.join(NCCL_PRESETS)}")
+    conc = nc.get("concurrency", [1])
+    if not isinstance(conc, list) or not conc or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1
+                                                         for c in conc):
+        raise _e(path, "nccl.concurrency", f"{conc!r}", "a list of concurrencies >= 1, e.g. [1, 128]")
+    mr = nc.get("min_ratio", 1.0)
+    if isinstance(mr, bool) or not isinstance(mr, (int, float)) or not 0 < mr < 10:
+        raise _e(path, "nccl.min_ratio", f"{mr!r}", "the preferred preset's minimum throughput ratio, e.g. 1.0")
 
 
 def _check_allreduce(path: Path, ar: Mapping[str, Any]) -> None:

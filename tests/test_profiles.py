@@ -33,6 +33,10 @@ def base():
     (lambda d: d["gate"].update(floor=-1), "gate"),
     (lambda d: d.update(repeats=0), "repeats"),
     (lambda d: d["model"].update(source="hub"), "model.source"),
+    (lambda d: d.update(nccl={"presets": ["default", "seed-pcie-tuned"], "min_ration": 1.0}), "unknown key(s) ['min_ration']"),
+    (lambda d: d.update(nccl={"presets": ["default", "no-such-preset"]}), "nccl.presets"),
+    (lambda d: d.update(nccl={"presets": ["default", "seed-pcie-tuned"], "engine": "sglang-typo"}), "nccl.engine"),
+    (lambda d: d.update(nccl={"presets": ["default", "seed-pcie-tuned"], "concurrency": [0]}), "nccl.concurrency"),
 ])
 def test_profile_errors(tmp_path, mutate, needle):
     d = base()
