@@ -279,11 +279,20 @@ def sglang_acceptance(records: Sequence[Mapping[str, Any]]) -> SGLangAcceptance:
 
 
 def _get_json(url: str) -> dict[str, Any] | None:
+    """The JSON object at ``url``; None only when the server has no such route (404/405: vLLM has no
+    /server_info). Any other failure is raised: a /server_info that errors must not quietly turn
+    SGLang's acceptance window or the engine detection into "not available"."""
+    import urllib.error
+
     try:
         with urllib.request.urlopen(url, timeout=30) as r:  # noqa: S310 - loopback
             data = json.loads(r.read())
-    except (OSError, ValueError):
-        return None
+    except urllib.error.HTTPError as e:
+        if e.code in (404, 405):
+            return None
+        raise RuntimeError(f"GET {url} answered HTTP {e.code}: {e.reason} (see the server's log)") from None
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"GET {url} failed: {e} (is the server still up? see its log)") from None
     return data if isinstance(data, dict) else None
 
 
