@@ -47,15 +47,32 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+_PROBE_ERROR: list[str] = []  # why the last gpu_info() found none although nvidia-smi exists
+
+
+def gpu_probe_error() -> str | None:
+    """Why :func:`gpu_info` returned no GPUs although ``nvidia-smi`` is installed (it failed, timed
+    out or printed nothing): a broken driver must read as that, not as "this machine has no GPU"."""
+    return _PROBE_ERROR[-1] if _PROBE_ERROR else None
+
+
 def gpu_info() -> list[dict[str, str]]:
-    """GPUs from nvidia-smi (no torch import); empty when there is none."""
+    """GPUs from nvidia-smi (no torch import); empty when there is none. When nvidia-smi exists but
+    fails, the list is empty and :func:`gpu_probe_error` says why."""
+    _PROBE_ERROR.clear()
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return []
     try:
         out = subprocess.run([exe, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=20, check=True).stdout
-    except (subprocess.SubprocessError, OSError):
+    except subprocess.CalledProcessError as e:
+        tail = (e.stderr or e.stdout or "").strip().splitlines()[-1:] or ["no output"]
+        _PROBE_ERROR.append(f"{exe} failed with exit code {e.returncode}: {tail[0]} (check the driver: "
+                            "run nvidia-smi by hand)")
+        return []
+    except (subprocess.SubprocessError, OSError) as e:
+        _PROBE_ERROR.append(f"{exe} could not run: {e} (check the driver: run nvidia-smi by hand)")
         return []
     gpus = []
     for line in out.strip().splitlines():

@@ -339,11 +339,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     m = s.profile.model
     if m.source == "path" and not s.model_override and not (Path(m.path or "") / "config.json").is_file():
         missing.append(f"model {m.name} at {m.path} (or --perf-model PATH)")
+    if need and len(s.gpus) < need:
+        from .machine import gpu_probe_error
+
+        err = gpu_probe_error()
+        if err:
+            missing[0] += f"; {err}"
+    from .missing import strict_reason
+
+    strict = strict_reason(config)
     for item in items:
         if item.get_closest_marker("perf") is not None and missing:
-            item.add_marker(pytest.mark.skip(reason=f"profile {s.profile.name} needs " + " and ".join(missing)))
+            reason = f"profile {s.profile.name} needs " + " and ".join(missing)
+            if strict is not None:
+                # a run that asked for this profile (CI, or --perf-profile by name) must not pass as skips
+                item.stash[MISSING_KEY] = f"{reason} [a failure, not a skip: {strict}]"
+            else:
+                item.add_marker(pytest.mark.skip(reason=reason))
         elif item.get_closest_marker("gpu") is not None and not s.gpus:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; nvidia-smi lists none on this machine"))
+
+
+MISSING_KEY = pytest.StashKey[str]()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    why = item.stash.get(MISSING_KEY, None)
+    if why is not None:
+        pytest.fail(why, pytrace=False)
 
 
 # -- recording and gating -------------------------------------------------------------------------

@@ -134,13 +134,35 @@ def test_same_results_under_xdist(project):
     r.stdout.fnmatch_lines(["*kimi-perf summary*", "*PASS*", "*FAIL*"])
 
 
-def test_missing_model_skips_with_reason(project):
+def _missing_model_project(project):
     prof = {**PROFILE, "model": {"source": "path", "path": "/nonexistent", "name": "toy-model"}}
     (project.path / "profiles" / "toy.json").write_text(json.dumps(prof))
+    # the profile comes from the ini, not named on the command line: only CI=true makes it strict
+    project.makeini("[pytest]\naddopts = --strict-markers -p no:cacheprovider\nperf_profile = toy\n")
     project.makepyfile(test_toy=TEST.format(speeds="100.0"))
-    r = run(project, "-rs")
+
+
+def test_missing_model_skips_with_reason(project, monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
+    _missing_model_project(project)
+    r = project.runpytest_subprocess("-rs")
     r.assert_outcomes(skipped=1)
     r.stdout.fnmatch_lines(["*profile toy needs model toy-model at /nonexistent (or --perf-model PATH)*"])
+
+
+@pytest.mark.parametrize("how", ["CI=true", "--perf-profile"])
+def test_missing_model_fails_when_the_run_asked_for_it(project, monkeypatch, how):
+    """CI, or a user who named the profile, must not come back green with nothing measured."""
+    _missing_model_project(project)
+    if how == "CI=true":
+        monkeypatch.setenv("CI", "true")
+        r = project.runpytest_subprocess("-rE")
+    else:
+        monkeypatch.delenv("CI", raising=False)
+        r = project.runpytest_subprocess("-rE", "--perf-profile", "toy")
+    r.assert_outcomes(errors=1)  # failed in setup: reported as an error, never as a skip
+    assert r.ret != 0
+    r.stdout.fnmatch_lines(["*profile toy needs model toy-model at /nonexistent*a failure, not a skip*"])
 
 
 def test_unknown_profile_is_usage_error(project):
