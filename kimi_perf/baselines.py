@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .atomic import atomic_write_json  # re-exported: callers imported it from here
 from .metrics import METRICS
 
 SCHEMA_VERSION = 1
@@ -178,27 +177,6 @@ def load_file(path: Path) -> tuple[str, dict[str, BaselineEntry]]:
             raise _err(path, f"entries[{i}]", f"duplicate key {kid}", "delete one of the two entries")
         out[kid] = entry
     return profile, out
-
-
-def atomic_write_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=str(path.parent))
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dfd = os.open(str(path.parent), os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 class BaselineStore:

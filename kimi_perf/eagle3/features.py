@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..baselines import atomic_write_json
+from ..atomic import atomic_write_json
 from ..progress import log
 from .data import Sample
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..baselines import atomic_write_json
+from ..atomic import atomic_write_json
 from ..models.embedded import cache_root, file_lock
 from ..progress import log
 from .data import DataConfig, Sample, build_items, generate_samples, samples_digest
