@@ -3,35 +3,64 @@
 Why this shape: serving numbers on shared machines are noisy (the 2-core CI box shows +-20% and
 occasional 3x stalls), so a fixed percentage threshold either cries wolf or sleeps through real
 regressions. The gate takes R repeats per run, compares medians, and FAILS only when the median is
-worse than ``max(floor, noise_mult * noise)`` *and* a one-sided Mann-Whitney U test on the repeat
-samples agrees (p <= alpha). When only the magnitude trips it WARNs. That is the asv / PyTorch
-dashboard recipe (asv/statistics.py, docs/metrics.md) reduced to what a per-merge gate can afford.
+worse than ``max(floor, noise_mult * noise)`` *and* a one-sided rank test on the repeat samples
+agrees (p <= alpha). When only the magnitude trips it WARNs. That is the asv / PyTorch dashboard
+recipe (asv/statistics.py, docs/metrics.md) reduced to what a per-merge gate can afford.
 
-``noise`` is the larger of the baseline's and the current run's robust relative spread (MAD * 1.4826
-/ |median|), so a run on a noisier machine widens its own tolerance instead of failing spuriously.
+Each choice below exists because the weaker one let a verdict read stronger than its evidence:
+
+- ``noise`` is the *baseline's* robust relative spread (MAD * 1.4826 / |median|), measured when the
+  baseline was recorded. The current run's spread is reported, never used to widen the tolerance: a
+  regression that shows up as variance (one slow repeat in three, a bimodal allocator) would
+  otherwise widen its own tolerance and pass.
+- The rank test is an exact permutation test of the Mann-Whitney rank sum with midranks, conditional
+  on the observed ties, for every sample size a gate sees (C(n+m, n) <= 200,000 splits); scipy's
+  exact MWU assumes no ties and falls back to the normal approximation, which is wrong at n = 3.
+- A test has a smallest attainable p-value, ``1 / C(n+m, n)`` (3 vs 3: 0.05, only at complete
+  separation; 2 vs 3: 0.1). When it exceeds alpha the test cannot reject whatever the data say, so
+  the verdict says so -- the warning Google Benchmark's compare.py prints under 9 repetitions --
+  instead of presenting "not significant" as evidence of no regression.
+- Repeats that are not independent samples (accept length from one deterministic drafter and greedy
+  decode: every repeat returns the same number) are one observation, not R. ``independent=False``
+  collapses each side to its median, n = 1, and magnitude alone decides against the floor; the
+  reason says n = 1 and why.
+- :func:`confirm_gate` pools the first and the confirming measurement instead of discarding the
+  first, and FAILs only when the regression showed in both; a first FAIL that did not repeat is a
+  WARN with that reason, never a plain PASS.
+- :func:`ratio_interval_gate` decides a same-run ratio against a fixed bound (EAGLE-3 speedup >= 1.0)
+  on a t interval over paired log ratios: PASS above, FAIL wholly below, INCONCLUSIVE (a warning with
+  the interval) when it straddles.
+
+Every :class:`GateDecision` carries its reason; the plugin and reports print it next to the verdict.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
 
 from .metrics import MetricDef
 
-Verdict = Literal["PASS", "WARN", "FAIL", "NEW", "UPDATED", "INFO"]
+Verdict = Literal["PASS", "WARN", "FAIL", "INCONCLUSIVE", "NEW", "UPDATED", "INFO"]
 
-__all__ = ["GateConfig", "GateDecision", "gate", "mwu_worse_p", "robust_rel_noise"]
+__all__ = ["GateConfig", "GateDecision", "confirm_gate", "gate", "min_attainable_p", "mwu_worse_p",
+           "ratio_interval_gate", "robust_rel_noise"]
+
+# The exact test enumerates every split of the pooled samples; 200,000 splits (e.g. 10 vs 10: 184,756)
+# take well under a second. Beyond that the normal approximation of the rank sum is adequate.
+_EXACT_MAX_SPLITS = 200_000
 
 
 @dataclass(frozen=True)
 class GateConfig:
     floor: float = 0.10  # smallest relative change that can ever fail
     noise_mult: float = 3.0
-    alpha: float = 0.05  # 3-vs-3 samples: the exact one-sided MWU p-value is at least 1/20 = 0.05
+    alpha: float = 0.05  # 3-vs-3 samples: the exact one-sided p-value is at least 1/20 = 0.05
 
     def __post_init__(self) -> None:
         if not 0 <= self.floor < 10:
@@ -54,22 +83,55 @@ def robust_rel_noise(samples: Sequence[float]) -> float:
     return 1.4826 * mad / abs(med)
 
 
+def min_attainable_p(n_baseline: int, n_current: int) -> float:
+    """The smallest one-sided p-value a rank test of these sample sizes can give: ``1 / C(n+m, n)``
+    (complete separation, no ties; ties only raise it). 1.0 when either side is empty."""
+    if n_baseline < 1 or n_current < 1:
+        return 1.0
+    return 1.0 / math.comb(n_baseline + n_current, n_current)
+
+
+def _midranks(x: np.ndarray) -> np.ndarray:
+    from scipy.stats import rankdata
+
+    return np.asarray(rankdata(x, method="average"), dtype=float)
+
+
+def _exact_rank_sum_p(badness_current: Sequence[float], badness_base: Sequence[float]) -> float:
+    """P(rank sum of the current group >= observed) over every split of the pooled midranks.
+
+    Conditional on the observed ties (midranks are permuted as they are), so it stays exact with
+    ties, where the classical exact MWU distribution does not apply."""
+    pooled = np.asarray([*badness_current, *badness_base], dtype=float)
+    ranks = _midranks(pooled)
+    m = len(badness_current)
+    observed = float(ranks[:m].sum())
+    combos = np.fromiter(itertools.chain.from_iterable(itertools.combinations(range(len(pooled)), m)),
+                         dtype=np.int64).reshape(-1, m)
+    sums = ranks[combos].sum(axis=1)
+    # midranks are multiples of 0.5: a tolerance far below that absorbs float summation order
+    return float(np.count_nonzero(sums >= observed - 1e-9)) / len(sums)
+
+
 def mwu_worse_p(metric: MetricDef, baseline: Sequence[float], current: Sequence[float]) -> float | None:
     """One-sided p-value that ``current`` is stochastically worse than ``baseline``.
 
-    None when either side has fewer than 2 samples (no test possible).
+    Exact permutation distribution of the Mann-Whitney rank sum (midranks, ties kept) up to
+    200,000 splits, the tie-corrected normal approximation beyond. None when either side has fewer
+    than 2 samples (no test possible).
     """
-    from scipy.stats import mannwhitneyu
-
     b = [float(v) for v in baseline if math.isfinite(v)]
     c = [float(v) for v in current if math.isfinite(v)]
     if len(b) < 2 or len(c) < 2:
         return None
     if len(set(b) | set(c)) == 1:
         return 1.0  # all identical: no evidence of any difference
-    alternative = "less" if metric.direction == "higher" else "greater"
-    method = "exact" if len(b) + len(c) <= 16 and len(set(b + c)) == len(b + c) else "auto"
-    res = mannwhitneyu(c, b, alternative=alternative, method=method)
+    sign = -1.0 if metric.direction == "higher" else 1.0  # badness: larger is worse
+    if math.comb(len(b) + len(c), len(c)) <= _EXACT_MAX_SPLITS:
+        return _exact_rank_sum_p([sign * v for v in c], [sign * v for v in b])
+    from scipy.stats import mannwhitneyu
+
+    res = mannwhitneyu([sign * v for v in c], [sign * v for v in b], alternative="greater", method="asymptotic")
     p = float(res.pvalue)
     return 1.0 if math.isnan(p) else p
 
@@ -86,23 +148,33 @@ class GateDecision:
     worse_by: float | None  # relative change in the bad direction (positive = regression)
     tolerance: float | None
     floor: float | None
-    noise: float | None
+    noise: float | None  # the baseline's robust relative spread (what the tolerance uses)
     p_value: float | None
     n_baseline: int
     n_current: int
     reason: str
     noise_mult: float = 3.0
+    current_noise: float | None = None  # this run's spread: reported, never widens the tolerance
+    min_p: float | None = None  # smallest p the test could give at these sample sizes
+    # ratio_interval_gate: the interval on current (a ratio) and its confidence level
+    interval: tuple[float, float] | None = None
+    level: float | None = None
 
     def message(self) -> str:
         arrow = "higher is better" if self.direction == "higher" else "lower is better"
         if self.baseline is None:
             return f"{self.metric} ({arrow}, {self.unit}): current {_fmt(self.current)}; {self.reason}"
+        if self.interval is not None:
+            lo, hi = self.interval
+            return (f"{self.metric} ({arrow}, {self.unit}): candidate {_fmt(self.current)} vs threshold "
+                    f"{_fmt(self.baseline)}, {self.level:.0%} interval [{lo:.3f}, {hi:.3f}] "
+                    f"[n={self.n_current} pairs] -> {self.verdict}: {self.reason}")
         p = "n/a" if self.p_value is None else f"{self.p_value:.3f}"
         return (
             f"{self.metric} ({arrow}, {self.unit}): baseline {_fmt(self.baseline)}, current {_fmt(self.current)}, "
             f"delta {self.delta * 100:+.1f}%, tolerance {self.tolerance * 100:.1f}% "  # type: ignore[operator]
-            f"(floor {self.floor * 100:.0f}%, {self.noise_mult:g}x noise {self.noise * 100:.1f}%), MWU p={p} "  # type: ignore[operator]
-            f"[n={self.n_baseline} vs {self.n_current}] -> {self.verdict}: {self.reason}"
+            f"(floor {self.floor * 100:.0f}%, {self.noise_mult:g}x baseline noise {self.noise * 100:.1f}%), "  # type: ignore[operator]
+            f"rank-test p={p} [n={self.n_baseline} vs {self.n_current}] -> {self.verdict}: {self.reason}"
         )
 
 
@@ -117,37 +189,142 @@ def _fmt(v: float | None) -> str:
     return f"{v:.4g}"
 
 
+def _finite(vals: Sequence[float] | None) -> list[float]:
+    return [float(v) for v in (vals or []) if v is not None and math.isfinite(float(v))]
+
+
 def gate(metric: MetricDef, baseline: Sequence[float] | None, current: Sequence[float],
-         cfg: GateConfig) -> GateDecision:
-    cur = [float(v) for v in current if v is not None and math.isfinite(float(v))]
+         cfg: GateConfig, *, independent: bool = True) -> GateDecision:
+    """Decide ``current`` (this run's repeats) against ``baseline`` (the stored repeats).
+
+    ``independent=False``: the repeats are not independent samples (one deterministic decode read R
+    times); each side is collapsed to its median, n = 1, and magnitude alone decides against the floor.
+    """
+    cur = _finite(current)
     if not cur:
         return GateDecision(metric.name, metric.unit, metric.direction, "FAIL", None, float("nan"), None, None,
                             None, cfg.floor, None, None, 0, 0, "no finite measurement (every repeat failed?)")
     cur_med = float(np.median(cur))
-    if not baseline:
+    if not independent:
+        cur = [cur_med]
+    base = _finite(baseline)
+    if not base:
         return GateDecision(metric.name, metric.unit, metric.direction, "NEW", None, cur_med, None, None, None,
-                            cfg.floor, robust_rel_noise(cur), None, 0, len(cur),
-                            "no baseline for this key (reported, not gated; --perf-update-baselines records it)")
-    base = [float(v) for v in baseline if math.isfinite(float(v))]
+                            cfg.floor, None, None, 0, len(cur),
+                            "no baseline for this key (reported, not gated; --perf-update-baselines records it)",
+                            noise_mult=cfg.noise_mult, current_noise=robust_rel_noise(cur))
     base_med = float(np.median(base))
-    noise = max(robust_rel_noise(base), robust_rel_noise(cur))
+    if not independent:
+        base = [base_med]
+    # the baseline's spread only: a current run whose regression *is* extra variance must not widen
+    # its own tolerance (its spread is reported below instead)
+    noise = robust_rel_noise(base)
+    cur_noise = robust_rel_noise(cur)
     tol = max(cfg.floor, cfg.noise_mult * noise)
     worse = metric.worse_by(base_med, cur_med)
     delta = (cur_med / base_med - 1.0) if base_med != 0 else (0.0 if cur_med == 0 else float("inf"))
     p = mwu_worse_p(metric, base, cur)
+    min_p = min_attainable_p(len(base), len(cur)) if p is not None else None
+    underpowered = min_p is not None and min_p > cfg.alpha
     common = dict(metric=metric.name, unit=metric.unit, direction=metric.direction, baseline=base_med,
                   current=cur_med, delta=delta, worse_by=worse, tolerance=tol, floor=cfg.floor, noise=noise,
-                  p_value=p, n_baseline=len(base), n_current=len(cur), noise_mult=cfg.noise_mult)
+                  p_value=p, n_baseline=len(base), n_current=len(cur), noise_mult=cfg.noise_mult,
+                  current_noise=cur_noise, min_p=min_p)
+    notes = []
+    if not independent:
+        notes.append("n=1: the repeats are one deterministic measurement read again, not independent samples, "
+                     "so no test; magnitude alone decides against the floor")
+    elif underpowered:
+        notes.append(f"n={len(base)} vs {len(cur)} cannot reach alpha {cfg.alpha} (smallest exact p "
+                     f"{min_p:.3f}): a regression here can only WARN; record more repeats")
+    if cfg.noise_mult * cur_noise > tol and cur_noise > noise:
+        notes.append(f"this run's repeats spread {cur_noise * 100:.1f}% (baseline {noise * 100:.1f}%); the "
+                     "tolerance uses the baseline's")
+    note = "; " + "; ".join(notes) if notes else ""
+
     if worse <= tol:
         why = "within tolerance" if worse > 0 else ("improved beyond tolerance" if -worse > tol else "no regression")
-        return GateDecision(verdict="PASS", reason=why, **common)  # type: ignore[arg-type]
+        return GateDecision(verdict="PASS", reason=why + note, **common)  # type: ignore[arg-type]
     if p is None:
-        # A baseline of one number (e.g. a figure recorded from another team's run) admits no test:
-        # the magnitude alone decides, and the message says so.
-        return GateDecision(verdict="FAIL", reason="regression beyond tolerance; too few samples for MWU, "
-                            "magnitude alone decides", **common)  # type: ignore[arg-type]
-    if p <= cfg.alpha:
-        return GateDecision(verdict="FAIL", reason=f"regression beyond tolerance and significant (p <= {cfg.alpha})",
+        # A baseline of one number (e.g. a figure recorded from another team's run) or a deterministic
+        # metric admits no test: the magnitude alone decides, and the message says so.
+        why = "regression beyond tolerance" + (note if not independent else
+                                               f"; n={len(base)} vs {len(cur)}: too few samples for a rank "
+                                               "test, magnitude alone decides" + note)
+        return GateDecision(verdict="FAIL", reason=why, **common)  # type: ignore[arg-type]
+    if underpowered:
+        return GateDecision(verdict="WARN", reason="beyond tolerance by magnitude only" + note,
                             **common)  # type: ignore[arg-type]
+    if p <= cfg.alpha * (1 + 1e-9):  # 1/20 vs 0.05: equal in exact arithmetic
+        return GateDecision(verdict="FAIL", reason=f"regression beyond tolerance and significant (p <= {cfg.alpha})"
+                            + note, **common)  # type: ignore[arg-type]
     return GateDecision(verdict="WARN", reason=f"beyond tolerance but not significant (p > {cfg.alpha}): "
-                        "noisy or too few repeats", **common)  # type: ignore[arg-type]
+                        "noisy or too few repeats" + note, **common)  # type: ignore[arg-type]
+
+
+def confirm_gate(metric: MetricDef, baseline: Sequence[float] | None, first: Sequence[float],
+                 again: Sequence[float], cfg: GateConfig, *, independent: bool = True) -> GateDecision:
+    """The verdict after a confirming measurement: the pooled samples decide, and a FAIL needs both.
+
+    The pooled decision (first + confirming repeats against the baseline) is the one reported, with
+    its larger n. It stays FAIL only if the first and the confirming measurement each FAIL on their
+    own, so a regression must show twice; a pooled FAIL seen once, or a first FAIL that did not
+    repeat, is a WARN that says so (a waived FAIL is never a plain PASS).
+    """
+    d1 = gate(metric, baseline, first, cfg, independent=independent)
+    d2 = gate(metric, baseline, again, cfg, independent=independent)
+    pooled = gate(metric, baseline, [*_finite(first), *_finite(again)], cfg, independent=independent)
+    showings = (f"first measurement {d1.verdict} (median {_fmt(d1.current)}), confirming measurement "
+                f"{d2.verdict} (median {_fmt(d2.current)}), pooled n={pooled.n_current}")
+    if pooled.verdict == "FAIL":
+        if d1.verdict == "FAIL" and d2.verdict == "FAIL":
+            return replace(pooled, reason=f"{pooled.reason}; the regression showed in both measurements ({showings})")
+        return replace(pooled, verdict="WARN", reason=f"{pooled.reason}, but it showed in only one measurement "
+                       f"({showings}): one showing does not fail")
+    if d1.verdict == "FAIL" and pooled.verdict == "PASS":
+        return replace(pooled, verdict="WARN", reason=f"{pooled.reason}; the first measurement FAILed and the "
+                       f"confirming one did not ({showings}): a transient slowdown or a real one at the edge")
+    return replace(pooled, reason=f"{pooled.reason} ({showings})")
+
+
+def ratio_interval_gate(metric: MetricDef, numerator: Sequence[float], denominator: Sequence[float], *,
+                        threshold: float = 1.0, level: float = 0.95) -> GateDecision:
+    """Gate a same-run ratio (e.g. spec tok/s over plain tok/s) against ``threshold`` with a t interval.
+
+    Pair i is ``numerator[i] / denominator[i]``, two adjacent repeats of the same prompts; the
+    interval is a two-sided Student t interval on the mean pair log ratio, exact for normal log
+    ratios at any n >= 2. PASS when the whole interval is at or above ``threshold`` (higher-is-better
+    metrics; below for lower), FAIL when it lies wholly on the bad side, INCONCLUSIVE when it
+    straddles: a warning that names the interval, never a pass. The pairs share the two servers'
+    launches, so the interval covers repeat-to-repeat noise of these launches, not launch-to-launch
+    variance (the same-run A/B gate, kimi_perf.ab, relaunches per block for that).
+    """
+    from scipy.stats import t as student_t
+
+    logs = [math.log(a / b) for a, b in zip(numerator, denominator)
+            if math.isfinite(a) and math.isfinite(b) and a > 0 and b > 0]
+    n = len(logs)
+    est = math.exp(float(np.mean(logs))) if logs else float("nan")
+    common = dict(metric=metric.name, unit=metric.unit, direction=metric.direction, baseline=threshold,
+                  current=est, delta=(est / threshold - 1.0) if logs else None, worse_by=(
+                      metric.worse_by(threshold, est) if logs else None), tolerance=0.0, floor=0.0, noise=None,
+                  p_value=None, n_baseline=0, n_current=n, noise_mult=0.0, level=level)
+    if n < 2:
+        return GateDecision(verdict="INCONCLUSIVE", reason=f"{n} finite pair(s): no interval, not gated against "
+                            f"{threshold:g}", interval=(float("nan"), float("nan")), **common)  # type: ignore[arg-type]
+    m = float(np.mean(logs))
+    se = float(np.std(logs, ddof=1)) / math.sqrt(n)
+    q = float(student_t.ppf(0.5 + level / 2, n - 1))
+    lo, hi = math.exp(m - q * se), math.exp(m + q * se)
+    above, below = lo >= threshold, hi < threshold
+    if metric.direction == "lower":
+        above, below = hi <= threshold, lo > threshold
+    span = f"{level:.0%} t interval [{lo:.3f}, {hi:.3f}] over {n} paired repeats"
+    if above:
+        verdict, why = "PASS", f"the whole {span} is on the good side of {threshold:g}"
+    elif below:
+        verdict, why = "FAIL", f"the whole {span} is on the bad side of {threshold:g}"
+    else:
+        verdict, why = "INCONCLUSIVE", (f"the {span} straddles {threshold:g}: not shown either way; more repeats "
+                                        "(--perf-repeats) narrow it")
+    return GateDecision(verdict=verdict, reason=why, interval=(lo, hi), **common)  # type: ignore[arg-type]

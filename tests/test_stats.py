@@ -102,3 +102,112 @@ def test_gate_config_validation():
         GateConfig(alpha=0)
     with pytest.raises(ValueError):
         GateConfig(floor=-1)
+
+
+# -- issue 16 items 5-7 and 9: statistics that must not read stronger than they are -----------------
+
+AL = get_metric("accept_length")
+SPEEDUP = get_metric("spec_speedup")
+
+
+def _brute_p(base, cur, higher=True):
+    """P(rank sum of current >= observed) over every split, ties as midranks (independent check)."""
+    import itertools
+
+    from scipy.stats import rankdata
+
+    bad = [-v if higher else v for v in [*cur, *base]]
+    r = rankdata(bad)
+    obs = sum(r[: len(cur)])
+    sums = [sum(r[i] for i in c) for c in itertools.combinations(range(len(bad)), len(cur))]
+    return sum(s >= obs - 1e-9 for s in sums) / len(sums)
+
+
+@pytest.mark.parametrize("base,cur", [
+    ([100.0] * 5, [90.0] * 3),  # complete separation, ties inside both groups
+    ([10.0, 10.0, 11.0], [9.0, 10.0, 10.0]),  # ties across the groups
+    ([5.0, 6.0, 6.0, 7.0], [6.0, 5.0, 4.0, 4.0]),
+])
+def test_rank_test_is_exact_with_ties(base, cur):
+    assert mwu_worse_p(TP, base, cur) == pytest.approx(_brute_p(base, cur))
+
+
+def test_tied_separation_reaches_alpha_exactly():
+    # scipy's "exact" MWU refuses ties and its normal approximation gives another number; the
+    # permutation distribution of 5 vs 3 has 56 splits and one of them is this extreme
+    assert mwu_worse_p(TP, [100.0] * 5, [90.0] * 3) == pytest.approx(1 / 56)
+    assert gate(TP, [100.0] * 5, [90.0] * 3, GateConfig(floor=0.05)).verdict == "FAIL"
+
+
+def test_min_attainable_p():
+    from kimi_perf.stats import min_attainable_p
+
+    assert min_attainable_p(3, 3) == pytest.approx(0.05)
+    assert min_attainable_p(2, 3) == pytest.approx(0.1)
+    assert min_attainable_p(5, 3) == pytest.approx(1 / 56)
+
+
+def test_sizes_that_cannot_reach_alpha_warn_and_say_so():
+    d = gate(TP, [100.0, 100.1], [70.0, 70.2, 69.9], GateConfig(floor=0.1))
+    assert d.verdict == "WARN", d.message()
+    assert "cannot reach alpha" in d.reason and d.min_p == pytest.approx(0.1)
+    # and a pass at those sizes still says that a regression could not have failed
+    assert "cannot reach alpha" in gate(TP, [100.0, 100.1], [99.0, 99.5, 100.0], GateConfig()).reason
+
+
+def test_current_variance_does_not_widen_tolerance():
+    base = [100.0, 100.5, 99.5, 100.2, 99.8]
+    cur = [60.0, 80.0, 100.0, 120.0, 75.0]  # median -20%, spread ~37%: 3x that was a 111% tolerance
+    d = gate(TP, base, cur, GateConfig(floor=0.1))
+    assert d.verdict != "PASS", d.message()
+    assert d.tolerance == pytest.approx(0.1) and d.noise == pytest.approx(robust_rel_noise(base))
+    assert d.current_noise == pytest.approx(robust_rel_noise(cur)) and "spread" in d.reason
+
+
+def test_dependent_repeats_are_one_sample_and_magnitude_decides():
+    base, floor = [1.3119] * 3, GateConfig(floor=0.15)
+    d = gate(AL, base, [1.05] * 3, floor, independent=False)
+    assert d.verdict == "FAIL" and d.n_current == 1 and d.n_baseline == 1 and d.p_value is None
+    assert "n=1" in d.reason and "not independent" in d.reason, d.reason
+    ok = gate(AL, base, [1.27] * 3, floor, independent=False)  # a retrain's 1.27: within the 15% floor
+    assert ok.verdict == "PASS" and "n=1" in ok.reason
+
+
+def test_confirm_fails_only_when_both_measurements_fail():
+    from kimi_perf.stats import confirm_gate
+
+    base, cfg = [100.0, 100.2, 99.8, 100.1, 99.9], GateConfig(floor=0.1)
+    slow, fine = [80.0, 80.2, 79.9], [100.0, 99.9, 100.1]
+    both = confirm_gate(TP, base, slow, slow, cfg)
+    assert both.verdict == "FAIL" and both.n_current == 6 and "both measurements" in both.reason
+    waived = confirm_gate(TP, base, slow, fine, cfg)
+    assert waived.verdict == "WARN", waived.message()  # never a plain PASS
+    assert "first measurement FAIL" in waived.reason
+    once = confirm_gate(TP, base, fine, slow, cfg)  # only the confirming run is slow: one showing
+    assert once.verdict != "FAIL" and "confirming measurement FAIL" in once.reason
+
+
+@pytest.mark.parametrize("spec,plain,verdict", [
+    ([11.2, 11.0, 11.4], [10.0, 10.0, 10.0], "PASS"),
+    ([11.6, 9.2, 10.9], [10.0, 10.0, 10.0], "INCONCLUSIVE"),  # the CPU CI box: 1.16/0.92/1.09
+    ([6.0, 5.0, 6.5], [10.0, 10.0, 10.0], "FAIL"),  # spec decoding 35-50% slower
+    ([9.0], [10.0], "INCONCLUSIVE"),  # one pair: no interval
+])
+def test_speedup_interval_gate(spec, plain, verdict):
+    from kimi_perf.stats import ratio_interval_gate
+
+    d = ratio_interval_gate(SPEEDUP, spec, plain, threshold=1.0, level=0.95)
+    assert d.verdict == verdict, d.message()
+    msg = d.message()
+    for part in ("spec_speedup", "higher is better", "threshold 1.000", "interval", "candidate"):
+        assert part in msg, msg
+
+
+def test_every_verdict_carries_a_reason():
+    from kimi_perf.stats import confirm_gate, ratio_interval_gate
+
+    ds = [gate(TP, None, [1.0], GateConfig()), gate(TP, [1.0, 1.0, 1.0], [1.0, 1.0, 1.0], GateConfig()),
+          gate(TP, [100.0, 92.0, 108.0], [95.0, 109.0, 88.0], GateConfig(floor=0.03, noise_mult=0)),
+          confirm_gate(TP, [100.0] * 3, [50.0] * 3, [50.0] * 3, GateConfig()),
+          ratio_interval_gate(SPEEDUP, [1.0, 1.1], [1.0, 1.0])]
+    assert all(d.reason and d.reason in d.message() for d in ds)
