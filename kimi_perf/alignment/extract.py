@@ -6,8 +6,9 @@ offset, a lossy dtype). Every extractor states its layer-id convention ("residua
 layer k"; ``"final"`` = output of the final RMSNorm), dtype, backend and version, and the token
 positions covered.
 
-- :class:`HFExtractor`: one full-sequence transformers forward with pre-hooks (how training features
-  are usually captured);
+- :class:`HFExtractor` (defined in :mod:`kimi_perf.alignment.hidden` with the provenance types, the
+  layer the EAGLE-3 feature capture shares): one full-sequence transformers forward with pre-hooks
+  (how training features are usually captured);
 - :func:`server_hidden_states`: an engine's inference path over HTTP -- SGLang-layout
   ``meta_info.hidden_states`` from ``/generate`` (the reference engine; SGLang 0.5.17 and 0.5.23, whose
   rows are the final-norm output, or the concatenated EAGLE-3 aux layers while serving EAGLE-3 or in
@@ -22,95 +23,18 @@ import asyncio
 import json
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+# re-exported: callers and tests import these from here
+from .hidden import AlignmentSetupError, HFExtractor, HiddenStates, Layer, Provenance
+
 __all__ = ["REFERENCE_ENGINE_NAME", "AlignmentSetupError", "HFExtractor", "HiddenStates", "Provenance",
            "ServerLayers", "parse_sglang_hidden_states", "server_hidden_states", "server_info",
            "server_layers", "stored_hidden_states"]
-
-Layer = int | str
-
-
-class AlignmentSetupError(RuntimeError):
-    """A side cannot provide what was asked (missing flag, layer, feature set); the message says the fix."""
-
-
-@dataclass(frozen=True)
-class Provenance:
-    backend: str
-    version: str
-    dtype: str
-    positions: tuple[int, int]  # [start, end) of the token positions covered
-    layer_convention: str = "residual stream entering layer k; 'final' = final-norm output"
-    note: str = ""
-
-
-@dataclass(frozen=True)
-class HiddenStates:
-    layers: dict[Layer, np.ndarray]  # layer -> [T, H] float32
-    token_ids: tuple[int, ...]  # input token at each covered position
-    provenance: Provenance
-    output_ids: tuple[int, ...] = field(default_factory=tuple)
-
-    def get(self, layer: Layer) -> np.ndarray:
-        if layer not in self.layers:
-            have = ", ".join(str(k) for k in self.layers)
-            raise AlignmentSetupError(f"{self.provenance.backend} provides layers [{have}], not {layer}")
-        return self.layers[layer]
-
-
-class HFExtractor:
-    """transformers forward over a whole sequence; hooks capture the input of each decoder layer."""
-
-    def __init__(self, model_dir: str | Path, *, dtype: str = "float32", device: str = "cpu") -> None:
-        import torch
-        import transformers
-        from transformers import AutoModelForCausalLM
-
-        self.torch = torch
-        self.dtype = dtype
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(device).eval()
-        self.device = device
-        self.version = f"transformers {transformers.__version__}"
-        self.num_layers = int(self.model.config.num_hidden_layers)
-        self._cap: dict[int, Any] = {}
-        inner = self.model.model
-        for k in range(self.num_layers + 1):
-            mod = inner.layers[k] if k < self.num_layers else inner.norm
-
-            def hook(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any], _k: int = k) -> None:
-                if _k in self._want:
-                    self._cap[_k] = (args[0] if args else kwargs["hidden_states"]).detach()
-
-            mod.register_forward_pre_hook(hook, with_kwargs=True)
-        self._want: set[int] = set()
-
-    @property
-    def final_norm_weight(self) -> np.ndarray:
-        return self.model.model.norm.weight.detach().float().cpu().numpy()
-
-    def __call__(self, ids: Sequence[int], layers: Sequence[Layer]) -> tuple[dict[Layer, Any], Any]:
-        """Torch tensors per layer ([T, H], model dtype) and the logits' argmax [T]."""
-        torch = self.torch
-        self._want = {k for k in layers if isinstance(k, int)}
-        self._cap.clear()
-        with torch.inference_mode():
-            x = torch.tensor([list(ids)], device=self.device)
-            out = self.model(x, attention_mask=torch.ones_like(x), output_hidden_states="final" in layers)
-        res: dict[Layer, Any] = {k: self._cap[k][0] for k in layers if isinstance(k, int)}
-        if "final" in layers:
-            res["final"] = out.hidden_states[-1][0]
-        return res, out.logits[0].argmax(-1)
-
-    def hidden_states(self, ids: Sequence[int], layers: Sequence[Layer]) -> HiddenStates:
-        t, _ = self(ids, layers)
-        return HiddenStates({k: v.float().cpu().numpy() for k, v in t.items()}, tuple(ids),
-                            Provenance("hf-offline", self.version, self.dtype, (0, len(ids)),
-                                       note="one full-sequence forward, no KV cache"))
 
 
 def parse_sglang_hidden_states(rows: list[Any], layers: Sequence[Layer], hidden: int) -> dict[Layer, np.ndarray]:

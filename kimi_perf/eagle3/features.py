@@ -70,7 +70,7 @@ class FeatureSample:
 
 class _HFBackend:
     def __init__(self, model_dir: Path, layers: tuple[int, ...], dtype: torch.dtype, device: str) -> None:
-        from ..alignment.extract import HFExtractor
+        from ..alignment.hidden import HFExtractor
 
         self.x = HFExtractor(model_dir, dtype=str(dtype).replace("torch.", ""), device=device)
         self.layers = layers

@@ -1,0 +1,102 @@
+"""Hidden states with provenance, and the transformers extractor that produces them.
+
+Why a module of its own: this is the layer both sides build on. The alignment extractors and
+comparisons (:mod:`kimi_perf.alignment.extract`) wrap every captured tensor in these types, and the
+EAGLE-3 feature capture (:mod:`kimi_perf.eagle3.features`, backend ``hf``) runs :class:`HFExtractor`.
+While it lived in ``extract``, that module and ``eagle3.features`` imported each other (lazily, so
+nothing failed, but neither could be loaded or tested without the other); now ``extract`` reads stored
+features from ``eagle3.features`` and ``eagle3.features`` imports only this module.
+
+torch and transformers are imported inside :class:`HFExtractor`, so the types load without them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["AlignmentSetupError", "HFExtractor", "HiddenStates", "Layer", "Provenance"]
+
+Layer = int | str
+
+
+class AlignmentSetupError(RuntimeError):
+    """A side cannot provide what was asked (missing flag, layer, feature set); the message says the fix."""
+
+
+@dataclass(frozen=True)
+class Provenance:
+    backend: str
+    version: str
+    dtype: str
+    positions: tuple[int, int]  # [start, end) of the token positions covered
+    layer_convention: str = "residual stream entering layer k; 'final' = final-norm output"
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class HiddenStates:
+    layers: dict[Layer, np.ndarray]  # layer -> [T, H] float32
+    token_ids: tuple[int, ...]  # input token at each covered position
+    provenance: Provenance
+    output_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def get(self, layer: Layer) -> np.ndarray:
+        if layer not in self.layers:
+            have = ", ".join(str(k) for k in self.layers)
+            raise AlignmentSetupError(f"{self.provenance.backend} provides layers [{have}], not {layer}")
+        return self.layers[layer]
+
+
+class HFExtractor:
+    """transformers forward over a whole sequence; hooks capture the input of each decoder layer."""
+
+    def __init__(self, model_dir: str | Path, *, dtype: str = "float32", device: str = "cpu") -> None:
+        import torch
+        import transformers
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.dtype = dtype
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(device).eval()
+        self.device = device
+        self.version = f"transformers {transformers.__version__}"
+        self.num_layers = int(self.model.config.num_hidden_layers)
+        self._cap: dict[int, Any] = {}
+        inner = self.model.model
+        for k in range(self.num_layers + 1):
+            mod = inner.layers[k] if k < self.num_layers else inner.norm
+
+            def hook(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any], _k: int = k) -> None:
+                if _k in self._want:
+                    self._cap[_k] = (args[0] if args else kwargs["hidden_states"]).detach()
+
+            mod.register_forward_pre_hook(hook, with_kwargs=True)
+        self._want: set[int] = set()
+
+    @property
+    def final_norm_weight(self) -> np.ndarray:
+        return self.model.model.norm.weight.detach().float().cpu().numpy()
+
+    def __call__(self, ids: Sequence[int], layers: Sequence[Layer]) -> tuple[dict[Layer, Any], Any]:
+        """Torch tensors per layer ([T, H], model dtype) and the logits' argmax [T]."""
+        torch = self.torch
+        self._want = {k for k in layers if isinstance(k, int)}
+        self._cap.clear()
+        with torch.inference_mode():
+            x = torch.tensor([list(ids)], device=self.device)
+            out = self.model(x, attention_mask=torch.ones_like(x), output_hidden_states="final" in layers)
+        res: dict[Layer, Any] = {k: self._cap[k][0] for k in layers if isinstance(k, int)}
+        if "final" in layers:
+            res["final"] = out.hidden_states[-1][0]
+        return res, out.logits[0].argmax(-1)
+
+    def hidden_states(self, ids: Sequence[int], layers: Sequence[Layer]) -> HiddenStates:
+        t, _ = self(ids, layers)
+        return HiddenStates({k: v.float().cpu().numpy() for k, v in t.items()}, tuple(ids),
+                            Provenance("hf-offline", self.version, self.dtype, (0, len(ids)),
+                                       note="one full-sequence forward, no KV cache"))
