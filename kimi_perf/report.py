@@ -196,6 +196,50 @@ def _plot_ab(results: list[dict[str, Any]], path: Path) -> Path | None:
     return path
 
 
+def merge_markdown_tables(blocks: list[str]) -> list[str]:
+    """One table per comparison: tests that record one layer each (``test_extraction_vs_inference``
+    is parametrized by layer) write one ``**title**`` + table block per layer; blocks with the same
+    title and header become one table, rows in test order, and their notes (lines outside the table)
+    are kept once. Every table ends with a blank line, so the next bold title cannot run into it."""
+    groups: dict[tuple[str, str], dict[str, list[str]]] = {}
+    order: list[tuple[str, str]] = []
+    for block in blocks:
+        lines = block.splitlines()
+        title = lines[0] if lines and lines[0].startswith("**") else ""
+        body = lines[1:] if title else lines
+        hdr = next((i for i, ln in enumerate(body) if ln.startswith("|")), None)
+        if hdr is None or hdr + 1 >= len(body) or not body[hdr + 1].startswith("|-"):
+            key = (block, "")  # not a table: kept as it is, once
+            if key not in groups:
+                groups[key] = {"pre": [], "rows": [], "post": lines}
+                order.append(key)
+            continue
+        end = hdr + 2
+        while end < len(body) and body[end].startswith("|"):
+            end += 1
+        key = (title, body[hdr] + "\n" + body[hdr + 1])
+        g = groups.get(key)
+        if g is None:
+            g = groups[key] = {"pre": [], "rows": [], "post": []}
+            order.append(key)
+        g["rows"] += body[hdr + 2:end]
+        for part, src in (("pre", body[:hdr]), ("post", body[end:])):
+            for ln in src:
+                if ln.strip() and ln not in g[part]:
+                    g[part].append(ln)
+    out: list[str] = []
+    for key in order:
+        g = groups[key]
+        title, header = key
+        if not header:
+            out += [*g["post"], ""]
+            continue
+        out += [title, "", *g["pre"], *([""] if g["pre"] else []), *header.split("\n"), *g["rows"], ""]
+        if g["post"]:
+            out += [*g["post"], ""]
+    return out
+
+
 def write_reports(session: Any, machine: dict[str, Any], commit: dict[str, Any]) -> dict[str, Path]:
     out_dir: Path = session.report_dir
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -212,7 +256,7 @@ def write_reports(session: Any, machine: dict[str, Any], commit: dict[str, Any])
            + (" (dirty)" if commit.get("dirty") else "")]
     extra_md = [r["extra"].get("markdown") for r in session.results if r.get("extra", {}).get("markdown")]
     if extra_md:
-        md += ["", *extra_md]
+        md += ["", *merge_markdown_tables(extra_md)]
     written: dict[str, Path] = {}
     summary = out_dir / "summary.md"
     summary.write_text("\n".join(md) + "\n")
