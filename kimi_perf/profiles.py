@@ -18,34 +18,10 @@ from typing import Any
 from .ab.config import ABConfigError, ABSpec, Variant, parse_ab, parse_variants
 from .load.workload import Workload
 from .metrics import METRICS
+from .models.shapes import DUMMY_SHAPES  # re-exported: profiles name these shapes, callers import them here
 from .stats import GateConfig
 
 __all__ = ["GateSpec", "ModelSpec", "Profile", "ProfileError", "ThroughputSpec", "find_profile", "load_profile"]
-
-DUMMY_SHAPES: dict[str, dict[str, Any]] = {
-    # a Llama small enough that the gate's own end-to-end tests (a planted slowdown must FAIL, an A/A
-    # must PASS) run a real server in seconds on a 2-core CPU; the embedded tokenizer's vocabulary
-    "tiny-llama": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 49152, "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 2048, "tie_word_embeddings": True, "hidden_act": "silu",
-        "rope_theta": 10000.0, "bos_token_id": 1, "eos_token_id": 2,
-    },
-    # Llama-3.1-8B's published shape; weights are random (--load-format dummy), the tokenizer is the
-    # embedded model's (random-id workloads only need a vocabulary).
-    "llama-3.1-8b": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 131072, "tie_word_embeddings": False, "hidden_act": "silu",
-        "rope_theta": 500000.0,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192},
-        "bos_token_id": 1, "eos_token_id": 2,
-    },
-}
-
 
 class ProfileError(ValueError):
     pass

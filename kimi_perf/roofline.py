@@ -17,6 +17,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+# the torch-free shape, not the engine's model module: the engine's micro-benchmark imports this
+# module for the floor, so importing the engine from here made the two depend on each other
+from .models.shapes import LlamaShape
+
 __all__ = ["DecodeFloor", "copy_bandwidth_bytes_s", "weight_bytes_from_config"]
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
@@ -67,8 +71,6 @@ def copy_bandwidth_bytes_s(nbytes: int = 2 << 30, iters: int = 20, device: str =
 def weight_bytes_from_config(model_dir: str | Path, dtype: str = "bfloat16") -> int:
     """Parameter bytes of a Llama-family checkpoint from its config.json (what a decode step reads)."""
     from types import SimpleNamespace
-
-    from .engines.reference.model import LlamaShape
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     shape = LlamaShape.from_config(SimpleNamespace(**cfg))

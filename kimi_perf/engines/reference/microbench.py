@@ -32,7 +32,9 @@ def _runner(args: argparse.Namespace, max_slots: int) -> Any:
     if args.model_path:
         return LlamaRunner.from_pretrained(args.model_path, device=args.device, dtype=dtype, max_slots=max_slots,
                                            max_len=args.context + args.steps + 8)
-    from ...profiles import DUMMY_SHAPES
+    # the shapes live below the engines (kimi_perf.models.shapes): an engine does not import the gate's
+    # profile loader
+    from ...models.shapes import DUMMY_SHAPES
 
     d = Path(tempfile.mkdtemp(prefix="kimi-microbench-"))
     (d / "config.json").write_text(json.dumps(DUMMY_SHAPES[args.shape]))
@@ -67,7 +69,7 @@ def bench(runner: Any, batch: int, context: int, steps: int) -> dict[str, float]
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kimi_perf.engines.reference.microbench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="llama-3.1-8b", help="dummy shape (kimi_perf.profiles.DUMMY_SHAPES)")
+    ap.add_argument("--shape", default="llama-3.1-8b", help="dummy shape (kimi_perf.models.shapes.DUMMY_SHAPES)")
     ap.add_argument("--model-path", default=None, help="a transformers Llama checkpoint instead of --shape")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")

@@ -25,6 +25,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+# torch-free, shared with the bandwidth floor (kimi_perf.roofline); re-exported here for the engine's callers
+from ...models.shapes import LlamaShape
+
 __all__ = [
     "CaptureSpec",
     "LlamaRunner",
@@ -33,57 +36,6 @@ __all__ = [
     "load_llama_weights",
     "random_llama_weights",
 ]
-
-
-@dataclass(frozen=True)
-class LlamaShape:
-    """The numbers that define a Llama decoder, read from a transformers config."""
-
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> LlamaShape:
-        heads = int(cfg.num_attention_heads)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        return cls(
-            hidden_size=int(cfg.hidden_size),
-            num_layers=int(cfg.num_hidden_layers),
-            num_heads=heads,
-            num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
-            head_dim=int(head_dim),
-            intermediate_size=int(cfg.intermediate_size),
-            vocab_size=int(cfg.vocab_size),
-            rms_norm_eps=float(cfg.rms_norm_eps),
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 4096)),
-        )
-
-    @property
-    def eagle3_aux_layers(self) -> tuple[int, int, int]:
-        """EAGLE-3's default feature layers: the residual stream entering [2, N//2, N-3]."""
-        n = self.num_layers
-        return (2, n // 2, n - 3)
-
-    @property
-    def weight_bytes_per_param(self) -> int:  # pragma: no cover - trivial
-        return 2
-
-    def num_params(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        qkv = h * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        o = self.num_heads * self.head_dim * h
-        per_layer = qkv + o + 3 * h * i + 2 * h
-        lm_head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_layers * per_layer + h + lm_head
 
 
 @dataclass
