@@ -13,6 +13,21 @@ the old version's numbers, not start from "no baseline".
 
 Updates (``--perf-update-baselines``) are atomic: write a temp file in the same directory, fsync,
 ``os.replace``. A crash mid-write leaves the old file intact.
+
+Provenance is kept per metric (schema 2): an update that measures only some of an entry's metrics (a
+``-k`` selection, a test that did not run) keeps the others, and those must keep saying which commit,
+machine and source produced *them*, not the run that happened to touch the entry last. The entry-level
+``commit`` / ``source`` / ``machine`` / ``recorded_at`` describe that last write only. A metric without
+a commit says why (``no_commit_reason``).
+
+External reference figures (``provenance.kind == "external"``): a number typed in from another team's
+report or an engine's documentation, one sample, on a workload and with a metric definition this suite
+did not control. It is keyed to this suite's workload so it is shown next to the measurement, but the
+plugin compares it without gating (verdict ``REF``, :func:`kimi_perf.stats.reference_comparison`): a
+figure whose workload is unknown cannot make a run fail. Its ``unknown`` field says what is not known.
+The next measured re-recording (``--perf-update-baselines``) replaces it metric by metric.
+
+Schema-1 files (no per-metric provenance) still load: each metric inherits the entry's fields.
 """
 
 from __future__ import annotations
@@ -20,17 +35,24 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from .atomic import atomic_write_json  # re-exported: callers imported it from here
 from .metrics import METRICS
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# schema 1 is schema 2 without per-metric provenance; reading it stays supported so files recorded
+# before provenance was per metric need no migration (the next write upgrades them)
+READABLE_SCHEMAS = (1, 2)
+PROVENANCE_KINDS = ("measured", "external")
+# what a metric of a schema-1 entry without a commit says when the file never said why
+LEGACY_NO_COMMIT = "recorded by a schema-1 kimi-perf that stored no commit and no reason"
 KEY_FIELDS = ("scenario", "engine", "model", "hardware", "workload", "concurrency")
 
-__all__ = ["BaselineEntry", "BaselineError", "BaselineKey", "BaselineStore", "atomic_write_json", "entries_from_results"]
+__all__ = ["BaselineEntry", "BaselineError", "BaselineKey", "BaselineStore", "MetricSamples", "Provenance",
+           "atomic_write_json", "entries_from_results"]
 
 
 class BaselineError(ValueError):
@@ -54,10 +76,55 @@ class BaselineKey:
 
 
 @dataclass(frozen=True)
+class Provenance:
+    """Where one metric's samples come from.
+
+    ``kind``: ``"measured"`` (by this suite, gated) or ``"external"`` (a figure typed in from elsewhere:
+    compared and shown, never gated; ``unknown`` says what about it is not known, e.g. the workload or
+    whether "tok/s" meant output or decode tok/s). ``no_commit_reason`` is required when ``commit`` is
+    None, so a baseline that cannot be traced to code says why.
+    """
+
+    kind: str = "measured"
+    commit: str | None = None
+    no_commit_reason: str | None = None
+    source: str | None = None
+    recorded_at: str | None = None
+    machine: Mapping[str, Any] = field(default_factory=dict)
+    engine_version: str | None = None
+    unknown: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in PROVENANCE_KINDS:
+            raise ValueError(f"provenance kind {self.kind!r} is not one of {PROVENANCE_KINDS}")
+        if self.commit is None and not self.no_commit_reason:
+            raise ValueError("a metric recorded without a commit must say why (no_commit_reason)")
+        if self.kind == "external" and (not self.source or not self.unknown):
+            raise ValueError("an external figure needs its source and what is unknown about it (unknown)")
+
+    @property
+    def external(self) -> bool:
+        return self.kind == "external"
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "commit": self.commit}
+        if self.commit is None:
+            out["no_commit_reason"] = self.no_commit_reason
+        out |= {"source": self.source, "recorded_at": self.recorded_at, "machine": dict(self.machine),
+                "engine_version": self.engine_version}
+        if self.unknown is not None:
+            out["unknown"] = self.unknown
+        return out
+
+
+@dataclass(frozen=True)
 class MetricSamples:
     unit: str
     direction: str
     samples: tuple[float, ...]
+    # None only on an entry under construction: the store fills it from the entry's fields
+    # (BaselineEntry.with_provenance) before it is written, and every loaded metric has one
+    provenance: Provenance | None = None
 
     @property
     def median(self) -> float:
@@ -76,17 +143,37 @@ class BaselineEntry:
     source: str | None = None
     machine: Mapping[str, Any] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # why the entry-level commit is None (the last write's); each metric's provenance has its own
+    no_commit_reason: str | None = None
+
+    def entry_provenance(self) -> Provenance:
+        """The provenance the entry-level fields describe (what a metric without its own inherits)."""
+        return Provenance(kind="measured", commit=self.commit,
+                          no_commit_reason=None if self.commit else (self.no_commit_reason or LEGACY_NO_COMMIT),
+                          source=self.source, recorded_at=self.recorded_at, machine=dict(self.machine),
+                          engine_version=self.engine_version)
+
+    def with_provenance(self) -> BaselineEntry:
+        """This entry with every metric's provenance filled in (from the entry's fields where missing)."""
+        if all(m.provenance is not None for m in self.metrics.values()):
+            return self
+        inherited = self.entry_provenance()
+        return replace(self, metrics={n: m if m.provenance is not None else replace(m, provenance=inherited)
+                                      for n, m in self.metrics.items()})
 
     def to_json(self) -> dict[str, Any]:
+        e = self.with_provenance()
         return {
             "key": self.key.as_dict(),
             "engine_version": self.engine_version,
             "recorded_at": self.recorded_at,
             "commit": self.commit,
+            **({"no_commit_reason": self.no_commit_reason} if self.commit is None and self.no_commit_reason else {}),
             "source": self.source,
             "machine": dict(self.machine),
-            "metrics": {n: {"unit": m.unit, "direction": m.direction, "median": m.median, "samples": list(m.samples)}
-                        for n, m in sorted(self.metrics.items())},
+            "metrics": {n: {"unit": m.unit, "direction": m.direction, "median": m.median, "samples": list(m.samples),
+                            "provenance": m.provenance.to_json()}  # type: ignore[union-attr]
+                        for n, m in sorted(e.metrics.items())},
             **({"extra": dict(self.extra)} if self.extra else {}),
         }
 
@@ -95,11 +182,42 @@ def _err(path: Path, where: str, problem: str, fix: str) -> BaselineError:
     return BaselineError(f"{path}: {where}: {problem}. Fix: {fix}")
 
 
-def _parse_entry(path: Path, i: int, raw: Any) -> BaselineEntry:
+_PROVENANCE_FIELDS = frozenset({"kind", "commit", "no_commit_reason", "source", "recorded_at", "machine",
+                                "engine_version", "unknown"})
+
+
+def _parse_provenance(path: Path, where: str, raw: Any) -> Provenance:
+    if not isinstance(raw, dict):
+        raise _err(path, where, "must be an object", f"give {sorted(_PROVENANCE_FIELDS)}")
+    bad = set(raw) - _PROVENANCE_FIELDS
+    if bad:
+        raise _err(path, where, f"unknown field(s) {sorted(bad)}", f"allowed: {', '.join(sorted(_PROVENANCE_FIELDS))}")
+    for f in _PROVENANCE_FIELDS - {"machine"}:
+        if raw.get(f) is not None and not isinstance(raw[f], str):
+            raise _err(path, f"{where}.{f}", "must be a string or null", "quote it")
+    kind = raw.get("kind", "measured")
+    if kind not in PROVENANCE_KINDS:
+        raise _err(path, f"{where}.kind", f"is {kind!r}", f"use one of {list(PROVENANCE_KINDS)}")
+    if raw.get("commit") is None and not raw.get("no_commit_reason"):
+        raise _err(path, where, "no commit and no no_commit_reason",
+                   "give the commit that measured it, or say in no_commit_reason why there is none")
+    if kind == "external" and (not raw.get("source") or not raw.get("unknown")):
+        raise _err(path, where, "an external figure without its source or without what is unknown about it",
+                   'give "source" (where the figure comes from) and "unknown" (workload, metric definition, '
+                   "machine: what this suite does not know about it)")
+    return Provenance(kind=kind, commit=raw.get("commit"), no_commit_reason=raw.get("no_commit_reason"),
+                      source=raw.get("source"), recorded_at=raw.get("recorded_at"),
+                      machine=raw.get("machine") or {}, engine_version=raw.get("engine_version"),
+                      unknown=raw.get("unknown"))
+
+
+def _parse_entry(path: Path, i: int, raw: Any, schema: int = SCHEMA_VERSION) -> BaselineEntry:
     where = f"entries[{i}]"
     if not isinstance(raw, dict):
         raise _err(path, where, f"must be an object, got {type(raw).__name__}", "each entry is {key, metrics, ...}")
     allowed = {"key", "engine_version", "recorded_at", "commit", "source", "machine", "metrics", "extra"}
+    if schema >= 2:
+        allowed.add("no_commit_reason")
     unknown = set(raw) - allowed
     if unknown:
         raise _err(path, where, f"unknown field(s) {sorted(unknown)}", f"allowed fields: {sorted(allowed)}")
@@ -127,9 +245,11 @@ def _parse_entry(path: Path, i: int, raw: Any) -> BaselineEntry:
         d = METRICS[name]
         if not isinstance(m, dict):
             raise _err(path, mw, "must be an object", "{unit, direction, samples}")
-        bad = set(m) - {"unit", "direction", "samples", "median"}
+        fields = {"unit", "direction", "samples", "median"} | ({"provenance"} if schema >= 2 else set())
+        bad = set(m) - fields
         if bad:
-            raise _err(path, mw, f"unknown field(s) {sorted(bad)}", "allowed: unit, direction, samples, median")
+            raise _err(path, mw, f"unknown field(s) {sorted(bad)}", f"allowed: {', '.join(sorted(fields))}"
+                       + (" (per-metric provenance needs \"schema_version\": 2)" if "provenance" in bad else ""))
         if m.get("direction") != d.direction:
             raise _err(path, f"{mw}.direction", f"is {m.get('direction')!r} but {name} is {d.direction}-is-better",
                        f'set "direction": "{d.direction}"')
@@ -140,13 +260,17 @@ def _parse_entry(path: Path, i: int, raw: Any) -> BaselineEntry:
                 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in samples)):
             raise _err(path, f"{mw}.samples", f"must be a non-empty list of finite numbers, got {samples!r}",
                        "re-record with --perf-update-baselines")
-        metrics[name] = MetricSamples(d.unit, d.direction, tuple(float(v) for v in samples))
-    for f in ("engine_version", "recorded_at", "commit", "source"):
+        prov = _parse_provenance(path, f"{mw}.provenance", m["provenance"]) if "provenance" in m else None
+        metrics[name] = MetricSamples(d.unit, d.direction, tuple(float(v) for v in samples), prov)
+    for f in ("engine_version", "recorded_at", "commit", "source", "no_commit_reason"):
         if raw.get(f) is not None and not isinstance(raw[f], str):
             raise _err(path, f"{where}.{f}", "must be a string or null", "quote it")
-    return BaselineEntry(key=bkey, metrics=metrics, engine_version=raw.get("engine_version"),
-                         recorded_at=raw.get("recorded_at"), commit=raw.get("commit"), source=raw.get("source"),
-                         machine=raw.get("machine") or {}, extra=raw.get("extra") or {})
+    entry = BaselineEntry(key=bkey, metrics=metrics, engine_version=raw.get("engine_version"),
+                          recorded_at=raw.get("recorded_at"), commit=raw.get("commit"), source=raw.get("source"),
+                          machine=raw.get("machine") or {}, extra=raw.get("extra") or {},
+                          no_commit_reason=raw.get("no_commit_reason"))
+    # a metric without its own provenance (every metric of a schema-1 file) inherits the entry's
+    return entry.with_provenance()
 
 
 def load_file(path: Path) -> tuple[str, dict[str, BaselineEntry]]:
@@ -160,8 +284,9 @@ def load_file(path: Path) -> tuple[str, dict[str, BaselineEntry]]:
     unknown = set(raw) - {"schema_version", "profile", "entries", "notes"}
     if unknown:
         raise _err(path, "top level", f"unknown field(s) {sorted(unknown)}", "allowed: schema_version, profile, entries, notes")
-    if raw.get("schema_version") != SCHEMA_VERSION:
-        raise _err(path, "schema_version", f"is {raw.get('schema_version')!r}, this kimi-perf reads {SCHEMA_VERSION}",
+    schema = raw.get("schema_version")
+    if schema not in READABLE_SCHEMAS:
+        raise _err(path, "schema_version", f"is {schema!r}, this kimi-perf reads {list(READABLE_SCHEMAS)}",
                    f'set "schema_version": {SCHEMA_VERSION} (or re-record)')
     profile = raw.get("profile")
     if not isinstance(profile, str) or not profile:
@@ -171,7 +296,7 @@ def load_file(path: Path) -> tuple[str, dict[str, BaselineEntry]]:
         raise _err(path, "entries", "missing or not a list", '"entries": []')
     out: dict[str, BaselineEntry] = {}
     for i, e in enumerate(entries):
-        entry = _parse_entry(path, i, e)
+        entry = _parse_entry(path, i, e, schema)
         kid = entry.key.id()
         if kid in out:
             raise _err(path, f"entries[{i}]", f"duplicate key {kid}", "delete one of the two entries")
@@ -202,15 +327,16 @@ class BaselineStore:
         return e.metrics[metric].samples
 
     def updated(self, new_entries: Iterable[BaselineEntry]) -> dict[str, Any]:
-        merged = dict(self.entries)
+        merged = {k: e.with_provenance() for k, e in self.entries.items()}
         for e in new_entries:
+            # the new metrics' provenance is this write's (filled from its entry fields when not given)
+            e = e.with_provenance()
             old = merged.get(e.key.id())
             if old is not None:
-                # keep metrics this run did not measure (e.g. a test that was deselected with -k)
-                metrics = {**old.metrics, **e.metrics}
-                e = BaselineEntry(key=e.key, metrics=metrics, engine_version=e.engine_version,
-                                  recorded_at=e.recorded_at, commit=e.commit, source=e.source,
-                                  machine=e.machine, extra=e.extra)
+                # keep metrics this run did not measure (e.g. a test that was deselected with -k), with
+                # the provenance they were recorded with: the entry-level fields become this write's,
+                # but a kept metric's commit, source and machine stay those that measured it
+                e = replace(e, metrics={**old.metrics, **e.metrics})
             merged[e.key.id()] = e
         ordered = [merged[k] for k in sorted(merged)]
         return {"schema_version": SCHEMA_VERSION, "profile": self.profile, "entries": [e.to_json() for e in ordered]}
@@ -235,28 +361,34 @@ def entries_from_results(results: Iterable[Mapping[str, Any]], *, commit: Mappin
     sha = commit.get("id")
     if sha and commit.get("dirty"):
         sha += "+dirty"
+    # machine.commit_info returns {} where git finds no repository (e.g. a copy of the working tree)
+    why = None if sha else ("the run found no git commit (machine.commit_info returned none: run from a copy "
+                            "of the working tree without .git, or git missing)")
+    mach = {"cpu": machine.get("cpu"), "cpu_count": machine.get("cpu_count"),
+            "gpus": [g["name"] if isinstance(g, Mapping) else g for g in machine.get("gpus", [])]}
     entries = []
     for rec in results:
         if rec.get("outcome") != "passed" or rec.get("ab"):
             continue
+        at = _time.strftime("%Y-%m-%dT%H:%M:%SZ", _time.gmtime(rec.get("time", _time.time())))
+        prov = Provenance(kind="measured", commit=sha, no_commit_reason=why, source=f"measured by {rec['nodeid']}",
+                          recorded_at=at, machine=mach, engine_version=rec.get("engine_version"))
         entries.append(BaselineEntry(
             key=BaselineKey(**rec["key"]),
-            metrics={m: MetricSamples(METRICS[m].unit, METRICS[m].direction, tuple(v))
+            metrics={m: MetricSamples(METRICS[m].unit, METRICS[m].direction, tuple(v), prov)
                      for m, v in rec["samples"].items() if v},
-            engine_version=rec.get("engine_version"),
-            recorded_at=_time.strftime("%Y-%m-%dT%H:%M:%SZ", _time.gmtime(rec.get("time", _time.time()))),
-            commit=sha, source=f"measured by {rec['nodeid']}",
-            machine={"cpu": machine.get("cpu"), "cpu_count": machine.get("cpu_count"),
-                     "gpus": [g["name"] if isinstance(g, Mapping) else g for g in machine.get("gpus", [])]},
-            extra=dict(rec.get("extra") or {}),
+            engine_version=rec.get("engine_version"), recorded_at=at, commit=sha, no_commit_reason=why,
+            source=prov.source, machine=mach, extra=dict(rec.get("extra") or {}),
         ))
     return entries
 
 
 def _cli(argv: list[str] | None = None) -> int:
-    """``python -m kimi_perf.baselines keys|add``: list a profile's keys, or record an *externally
-    measured* figure (another team's run, a vendor number) with its source, as a one-sample entry.
-    Figures measured by this suite are recorded with ``pytest --perf-update-baselines`` instead."""
+    """``python -m kimi_perf.baselines keys|add|record``: list a profile's keys, record an *external
+    reference figure* (another team's run, a vendor number) with its source and what is unknown about
+    it, or record a run file's results. An external figure is compared and shown, never gated (see
+    the module docstring); figures measured by this suite are recorded with ``pytest
+    --perf-update-baselines`` (or ``record``) instead, and replace it."""
     import argparse
     import time as _time
     from pathlib import Path as _P
@@ -268,9 +400,11 @@ def _cli(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     k = sub.add_parser("keys", help="print the throughput keys a profile's tests use")
     k.add_argument("--profile", required=True)
-    a = sub.add_parser("add", help="add an externally measured figure")
+    a = sub.add_parser("add", help="add an external reference figure (compared and shown, never gated)")
     for f in ("profile", "scenario", "engine", "model", "hardware", "workload", "source"):
         a.add_argument(f"--{f}", required=True)
+    a.add_argument("--unknown", required=True,
+                   help="what is not known about the figure: its workload, metric definition, machine, ...")
     a.add_argument("--concurrency", type=int, required=True)
     a.add_argument("--metric", action="append", required=True, help="NAME=VALUE[,VALUE...]")
     a.add_argument("--engine-version", default=None)
@@ -302,15 +436,28 @@ def _cli(argv: list[str] | None = None) -> int:
         for c in tp.concurrency:
             print(f"throughput_sweep concurrency={c} workload={tp.sweep_workload(c).key}")
         return 0
+    at = _time.strftime("%Y-%m-%dT%H:%M:%SZ", _time.gmtime())
+    why = "external reference figure: measured outside this suite, no commit of this repository produced it"
+    prov = Provenance(kind="external", commit=None, no_commit_reason=why, source=ns.source, recorded_at=at,
+                      engine_version=ns.engine_version, unknown=ns.unknown)
     metrics = {}
     for m in ns.metric:
         name, _, vals = m.partition("=")
+        if name not in _M:
+            ap.error(f"--metric {m}: unknown metric {name!r}; use one of {', '.join(sorted(_M))}")
         d = _M[name]
-        metrics[name] = MetricSamples(d.unit, d.direction, tuple(float(v) for v in vals.split(",")))
+        metrics[name] = MetricSamples(d.unit, d.direction, tuple(float(v) for v in vals.split(",")), prov)
     entry = BaselineEntry(key=BaselineKey(ns.scenario, ns.engine, ns.model, ns.hardware, ns.workload, ns.concurrency),
-                          metrics=metrics, engine_version=ns.engine_version,
-                          recorded_at=_time.strftime("%Y-%m-%dT%H:%M:%SZ", _time.gmtime()), source=ns.source)
+                          metrics=metrics, engine_version=ns.engine_version, recorded_at=at, source=ns.source,
+                          no_commit_reason=why)
     store = BaselineStore(_P(ns.dir) / f"{prof.name}.json", prof.name)
+    have = store.get(entry.key)
+    measured = sorted(n for n in metrics if have is not None and n in have.metrics
+                      and have.metrics[n].provenance is not None and not have.metrics[n].provenance.external)
+    if measured:
+        # a measurement of this suite is what replaces a typed-in figure, never the other way round
+        ap.error(f"{store.path}: {entry.key.id()} already has measured {', '.join(measured)}; an external figure "
+                 "does not replace a measurement. Fix: record it under another key or delete the measured metric")
     print(store.write([entry]))
     return 0
 

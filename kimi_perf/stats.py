@@ -46,10 +46,11 @@ import numpy as np
 
 from .metrics import MetricDef
 
-Verdict = Literal["PASS", "WARN", "FAIL", "INCONCLUSIVE", "NEW", "UPDATED", "INFO"]
+# REF: compared with an external reference figure, never gated (reference_comparison)
+Verdict = Literal["PASS", "WARN", "FAIL", "INCONCLUSIVE", "NEW", "UPDATED", "INFO", "REF"]
 
 __all__ = ["GateConfig", "GateDecision", "confirm_gate", "gate", "min_attainable_p", "mwu_worse_p",
-           "ratio_interval_gate", "robust_rel_noise"]
+           "ratio_interval_gate", "reference_comparison", "robust_rel_noise"]
 
 # The exact test enumerates every split of the pooled samples; 200,000 splits (e.g. 10 vs 10: 184,756)
 # take well under a second. Beyond that the normal approximation of the rank sum is adequate.
@@ -162,6 +163,9 @@ class GateDecision:
 
     def message(self) -> str:
         arrow = "higher is better" if self.direction == "higher" else "lower is better"
+        if self.verdict == "REF":  # no tolerance: an external figure is compared, not gated
+            return (f"{self.metric} ({arrow}, {self.unit}): external reference {_fmt(self.baseline)}, current "
+                    f"{_fmt(self.current)}, delta {self.delta * 100:+.1f}% -> REF: {self.reason}")  # type: ignore[operator]
         if self.baseline is None:
             return f"{self.metric} ({arrow}, {self.unit}): current {_fmt(self.current)}; {self.reason}"
         if self.interval is not None:
@@ -328,3 +332,28 @@ def ratio_interval_gate(metric: MetricDef, numerator: Sequence[float], denominat
         verdict, why = "INCONCLUSIVE", (f"the {span} straddles {threshold:g}: not shown either way; more repeats "
                                         "(--perf-repeats) narrow it")
     return GateDecision(verdict=verdict, reason=why, interval=(lo, hi), **common)  # type: ignore[arg-type]
+
+
+def reference_comparison(metric: MetricDef, reference: Sequence[float], current: Sequence[float], *,
+                         source: str, unknown: str) -> GateDecision:
+    """Compare ``current`` with an *external reference figure* (``baselines`` provenance kind
+    ``external``: typed in from another team's report or an engine's docs) without gating it.
+
+    Kept apart from :func:`gate` on purpose: such a figure is one number on a workload and with a metric
+    definition this suite did not control, so no tolerance is meaningful and magnitude alone must not
+    fail a run. The verdict is ``REF`` whatever the delta; the reason carries the figure's source and
+    what is unknown about it, so the table and run file say what the comparison is worth. A run with no
+    finite measurement still FAILs: that is a broken measurement, not a magnitude.
+    """
+    cur = [float(v) for v in current if v is not None and math.isfinite(float(v))]
+    ref = [float(v) for v in reference if math.isfinite(float(v))]
+    if not cur:
+        return GateDecision(metric.name, metric.unit, metric.direction, "FAIL", None, float("nan"), None, None,
+                            None, None, None, None, len(ref), 0, "no finite measurement (every repeat failed?)")
+    cur_med, ref_med = float(np.median(cur)), float(np.median(ref))
+    delta = (cur_med / ref_med - 1.0) if ref_med != 0 else (0.0 if cur_med == 0 else float("inf"))
+    return GateDecision(metric.name, metric.unit, metric.direction, "REF", ref_med, cur_med, delta,
+                        metric.worse_by(ref_med, cur_med), None, None, None, None, len(ref), len(cur),
+                        f"external reference figure, not gated (source: {source}; unknown: {unknown}); "
+                        "a measured --perf-update-baselines run replaces it",
+                        current_noise=robust_rel_noise(cur))

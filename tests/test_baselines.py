@@ -32,7 +32,7 @@ def test_roundtrip(tmp_path):
 
 
 @pytest.mark.parametrize("mutate, needle", [
-    (lambda d: d.update(schema_version=2), "schema_version"),
+    (lambda d: d.update(schema_version=3), "schema_version"),
     (lambda d: d["entries"][0]["metrics"].update(output_thruput=d["entries"][0]["metrics"]["output_throughput"]),
      "unknown metric 'output_thruput'"),
     (lambda d: d["entries"][0]["metrics"]["output_throughput"].update(direction="lower"), "direction"),
@@ -124,3 +124,116 @@ def test_record_commit_override(tmp_path):
     assert bl._cli(["record", str(run), "--dir", str(tmp_path), "--commit", "def456"]) == 0
     (entry,) = BaselineStore(tmp_path / "h200-engines.json", "h200-engines").entries.values()
     assert entry.commit == "def456"
+
+
+# -- per-metric provenance and external reference figures (schema 2) -----------------------------
+
+
+def _measured(commit, source, tpot=None):
+    prov = bl.Provenance(commit=commit, source=source, recorded_at="2026-01-01T00:00:00Z", machine={"cpu": source})
+    metrics = {"output_throughput": MetricSamples("tok/s", "higher", (10.0, 11.0), prov)}
+    if tpot is not None:
+        metrics["tpot_ms_p50"] = MetricSamples("ms", "lower", tpot, prov)
+    return BaselineEntry(key=BaselineKey(**KEY), metrics=metrics, commit=commit, source=source,
+                         machine={"cpu": source})
+
+
+def test_partial_update_keeps_each_metrics_provenance(tmp_path):
+    p = tmp_path / "p.json"
+    BaselineStore(p, "p").write([_measured("aaa", "run A", tpot=(5.0, 6.0))])
+    # run B measures only output_throughput (e.g. -k deselected the TPOT test)
+    BaselineStore(p, "p").write([BaselineEntry(
+        key=BaselineKey(**KEY), metrics={"output_throughput": MetricSamples("tok/s", "higher", (12.0, 13.0))},
+        commit="bbb", source="run B", machine={"cpu": "B"})])
+    e = BaselineStore(p, "p").get(BaselineKey(**KEY))
+    assert e.commit == "bbb"  # the entry's fields describe the last write...
+    tp, tpot = e.metrics["output_throughput"].provenance, e.metrics["tpot_ms_p50"].provenance
+    assert (tp.commit, tp.source, dict(tp.machine)) == ("bbb", "run B", {"cpu": "B"})
+    # ...but the kept metric still says who measured it
+    assert (tpot.commit, tpot.source, dict(tpot.machine)) == ("aaa", "run A", {"cpu": "run A"})
+    assert e.metrics["tpot_ms_p50"].samples == (5.0, 6.0)
+
+
+def test_schema1_file_loads_with_inherited_provenance_and_upgrades_on_write(tmp_path):
+    d = good()
+    d["entries"][0].update(commit="abc", source="measured by t::x")
+    p = write(tmp_path, d)
+    st = BaselineStore(p, "p")
+    prov = st.get(BaselineKey(**KEY)).metrics["output_throughput"].provenance
+    assert (prov.kind, prov.commit, prov.source) == ("measured", "abc", "measured by t::x")
+    st.write([])
+    raw = json.loads(p.read_text())
+    assert raw["schema_version"] == 2
+    assert raw["entries"][0]["metrics"]["output_throughput"]["provenance"]["commit"] == "abc"
+
+
+def test_schema1_entry_without_commit_says_its_reason_is_unknown(tmp_path):
+    st = BaselineStore(write(tmp_path, good()), "p")  # good() has no commit
+    prov = st.get(BaselineKey(**KEY)).metrics["output_throughput"].provenance
+    assert prov.commit is None and prov.no_commit_reason == bl.LEGACY_NO_COMMIT
+
+
+@pytest.mark.parametrize("prov, needle", [
+    ({"kind": "measured", "commit": None}, "no_commit_reason"),
+    ({"kind": "external", "commit": "x", "source": "a blog"}, "unknown"),
+    ({"kind": "guessed", "commit": "x"}, "kind"),
+    ({"commit": "x", "who": "me"}, "unknown field"),
+])
+def test_schema2_provenance_errors_name_the_fix(tmp_path, prov, needle):
+    d = good()
+    d["schema_version"] = 2
+    d["entries"][0]["metrics"]["output_throughput"]["provenance"] = prov
+    p = write(tmp_path, d)
+    with pytest.raises(BaselineError) as ei:
+        BaselineStore(p, "p")
+    assert needle in str(ei.value) and "Fix:" in str(ei.value)
+
+
+def test_provenance_in_a_schema1_file_asks_for_schema2(tmp_path):
+    d = good()
+    d["entries"][0]["metrics"]["output_throughput"]["provenance"] = {"commit": "x"}
+    with pytest.raises(BaselineError, match="schema_version"):
+        BaselineStore(write(tmp_path, d), "p")
+
+
+def test_run_without_commit_says_why(tmp_path):
+    results = [{"nodeid": "t::a", "key": dict(KEY), "samples": {"output_throughput": [1.0, 2.0]},
+                "outcome": "passed", "time": 0.0}]
+    (e,) = bl.entries_from_results(results, commit={}, machine={})
+    prov = e.metrics["output_throughput"].provenance
+    assert prov.commit is None and "no git commit" in prov.no_commit_reason
+    p = tmp_path / "p.json"
+    BaselineStore(p, "p").write([e])
+    assert BaselineStore(p, "p").get(BaselineKey(**KEY)).metrics["output_throughput"].provenance == prov
+
+
+def _add(tmp_path, *extra):
+    return bl._cli(["add", "--profile", "embedded-cpu", "--scenario", "single_stream", "--engine", "vllm",
+                    "--model", "m", "--hardware", "h", "--workload", "w", "--concurrency", "1",
+                    "--source", "a vendor blog", "--unknown", "workload; output or decode tok/s",
+                    "--metric", "decode_tok_s=63.6", "--dir", str(tmp_path), *extra])
+
+
+def test_add_records_an_external_figure_that_a_measurement_replaces(tmp_path):
+    assert _add(tmp_path) == 0
+    path = tmp_path / "embedded-cpu.json"
+    key = BaselineKey("single_stream", "vllm", "m", "h", "w", 1)
+    prov = BaselineStore(path, "embedded-cpu").get(key).metrics["decode_tok_s"].provenance
+    assert prov.external and prov.unknown == "workload; output or decode tok/s" and prov.commit is None
+    assert "external" in prov.no_commit_reason
+    measured = bl.entries_from_results(
+        [{"nodeid": "t::a", "key": key.as_dict(), "samples": {"decode_tok_s": [70.0, 71.0]}, "outcome": "passed",
+          "time": 0.0}], commit={"id": "abc"}, machine={})
+    BaselineStore(path, "embedded-cpu").write(measured)
+    prov = BaselineStore(path, "embedded-cpu").get(key).metrics["decode_tok_s"].provenance
+    assert not prov.external and prov.commit == "abc"
+    # and an external figure does not overwrite the measurement
+    with pytest.raises(SystemExit):
+        _add(tmp_path)
+
+
+def test_add_requires_what_is_unknown(tmp_path):
+    with pytest.raises(SystemExit):
+        bl._cli(["add", "--profile", "embedded-cpu", "--scenario", "s", "--engine", "e", "--model", "m",
+                 "--hardware", "h", "--workload", "w", "--concurrency", "1", "--source", "x",
+                 "--metric", "decode_tok_s=1", "--dir", str(tmp_path)])
