@@ -1,0 +1,144 @@
+"""The package's import graph: no circles, and the engines stay below the gate.
+
+Why a test: the circles this guards against were hidden by lazy (function-level) imports, which run
+fine until someone moves one to module level or imports the module on its own. So the graph here is
+read from the source (every ``import`` anywhere in a module, lazy ones and ``TYPE_CHECKING`` ones
+included), not from what importing the package happens to load. Importing ``a.b.c`` also runs the
+``__init__`` of ``a`` and ``a.b``, so those count as edges too, except a package the importer lives in
+(that one is already being imported).
+
+The layering rule: an engine adapter serves a model; it must not depend on how runs are gated
+(profiles, statistics, baselines), or an engine change would have to go through gate configuration.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import kimi_perf
+
+PKG = Path(kimi_perf.__file__).parent
+# modules an engine must not import: the gate's configuration and decisions
+GATE_MODULES = ("kimi_perf.profiles", "kimi_perf.stats", "kimi_perf.baselines", "kimi_perf.plugin",
+                "kimi_perf.report")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in sorted(PKG.rglob("*.py")):
+        parts = list(p.relative_to(PKG.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = p
+    return out
+
+
+def _known(name: str, mods: dict[str, Path]) -> str | None:
+    """The kimi_perf module ``name`` lands in (``from .x import y`` may name a function y)."""
+    while name and name not in mods:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _with_packages(target: str, importer: str, mods: dict[str, Path]) -> set[str]:
+    """``target`` plus the package ``__init__``s importing it runs, minus the importer's own packages."""
+    own = {importer.rsplit(".", k)[0] for k in range(1, importer.count(".") + 1)} | {importer}
+    parts = target.split(".")
+    chain = {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+    return {m for m in chain if m in mods and m not in own}
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = _modules()
+    graph: dict[str, set[str]] = {}
+    for mod, path in mods.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        names: list[str] = []
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    src = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    src = node.module or ""
+                names += [src] + [f"{src}.{a.name}" for a in node.names]
+        edges: set[str] = set()
+        for n in names:
+            hit = _known(n, mods)
+            if hit is not None and hit != mod:
+                edges |= _with_packages(hit, mod, mods)
+        graph[mod] = edges - {mod}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    x = stack.pop()
+                    on.discard(x)
+                    comp.append(x)
+                    if x == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_the_graph_is_read_from_source():
+    """Guards the reader itself: lazy imports and package __init__ edges are seen."""
+    g = import_graph()
+    assert "kimi_perf.models.shapes" in g["kimi_perf.roofline"]  # module level
+    assert "kimi_perf.models.shapes" in g["kimi_perf.engines.reference.microbench"]  # inside a function
+    assert "kimi_perf.eagle3" in g["kimi_perf.alignment.extract"]  # the package __init__ of a lazy import
+    assert "kimi_perf.engines.reference" not in g["kimi_perf.engines.reference.microbench"]  # its own package
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_circles():
+    found = cycles(import_graph())
+    g = import_graph()
+    detail = ["; ".join(f"{m} -> {sorted(e for e in g[m] if e in c)}" for m in c) for c in found]
+    assert not found, "import circles (lazy imports count):\n  " + "\n  ".join(detail)
+
+
+def test_engines_do_not_import_gate_configuration():
+    bad = {m: sorted(e for e in edges if e in GATE_MODULES)
+           for m, edges in import_graph().items() if m.startswith("kimi_perf.engines")}
+    bad = {m: e for m, e in bad.items() if e}
+    assert not bad, f"engine modules importing gate configuration: {bad}"
