@@ -420,6 +420,12 @@ class PerfGate:
             raise ValueError(f"gated metric(s) {missing} were not measured")
         key = self.key(scenario=scenario, engine=engine, model=model, workload=workload, concurrency=concurrency)
         entry = s.store.get(key)
+        # external reference figures (baselines provenance kind "external": typed in, not measured) leave
+        # the gated list here and come back as REF decisions below, so they never trigger a confirming
+        # re-measurement and never FAIL on magnitude (issue 16 item 2)
+        refs = {m: entry.metrics[m] for m in gated if entry is not None and m in entry.metrics
+                and entry.metrics[m].provenance is not None and entry.metrics[m].provenance.external}
+        gated = [m for m in gated if m not in refs]
 
         def decide(smp: Mapping[str, Sequence[float]]) -> list[GateDecision]:
             out = []
@@ -450,6 +456,12 @@ class PerfGate:
                                 if d.verdict == "FAIL" else
                                 f"{d.reason}; the first measurement's FAIL (median {was.current:.4g}) did not repeat")
                 decisions.append(d)
+        if refs:
+            from .stats import reference_comparison
+
+            decisions += [reference_comparison(METRICS[m], r.samples, samples[m], source=r.provenance.source or "?",
+                                               unknown=r.provenance.unknown or "?")
+                          for m, r in refs.items()]
         if s.update:
             decisions = [replace(d, verdict="UPDATED", reason=f"recorded as baseline (was: {d.verdict}, {d.reason})")
                          for d in decisions]
@@ -462,6 +474,9 @@ class PerfGate:
             "samples": {m: [float(v) for v in vals if _finite(v)] for m, vals in samples.items()},
             "decisions": [asdict(d) for d in decisions], "extra": dict(extra or {}), "time": time.time(),
         }
+        if entry is not None:  # which run (or which external source) each baseline figure comes from
+            record["baseline_provenance"] = {m: p.provenance.to_json() for m, p in entry.metrics.items()
+                                             if p.provenance is not None}
         self.node.user_properties.append((PROP, json.dumps(record, default=str)))
         fails = [d for d in decisions if d.verdict == "FAIL"]
         for d in decisions:

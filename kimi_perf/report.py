@@ -38,7 +38,8 @@ def summary_rows(results: list[dict[str, Any]]) -> list[list[str]]:
             rows.append([
                 _short_test(rec["nodeid"]),
                 f"{d['metric']} {arrow} [{d['unit']}]",
-                _fmt(d.get("baseline")),
+                # an external reference figure is labelled as such where its number is shown
+                _fmt(d.get("baseline")) + (" (external ref)" if d["verdict"] == "REF" else ""),
                 _fmt(d.get("current")),
                 "" if delta is None or not math.isfinite(delta) else f"{delta * 100:+.1f}",
                 "" if tol is None else f"{tol * 100:.1f}%",
