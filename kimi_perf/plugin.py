@@ -24,7 +24,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,7 +42,7 @@ from .baselines import (
 from .machine import commit_info, gpu_info, hardware_key, machine_info
 from .metrics import METRICS, get_metric
 from .profiles import Profile, ProfileError, find_profile, load_profile
-from .stats import GateDecision, gate
+from .stats import GateDecision, confirm_gate, gate
 
 if TYPE_CHECKING:
     from .ab.decide import ABDecision
@@ -402,15 +402,23 @@ class PerfGate:
         extra: Mapping[str, Any] | None = None,
         fail: bool = True,
         confirm: Callable[[], Mapping[str, Sequence[float]]] | None = None,
+        dependent: Collection[str] = (),
+        decided: Sequence[GateDecision] = (),
     ) -> list[GateDecision]:
         """Gate ``samples`` against the stored baseline; raise :class:`PerfRegression` on a FAIL.
 
         ``confirm``: re-measures the same workload. When a gated metric FAILs, it is called once and
-        only the fresh samples are gated, so a regression must show twice to fail. Shared CI runners
-        have slowdowns that last tens of seconds (measured on a 2-core VM: single-stream decode at
-        11.4 tok/s for two repeats, then 16.6, same code), longer than one test's repeats, which no
+        the first and fresh samples are pooled (``stats.confirm_gate``): a FAIL must show in both
+        measurements, and a first FAIL that does not repeat is a WARN with that reason. Shared CI
+        runners have slowdowns that last tens of seconds (measured on a 2-core VM: single-stream decode
+        at 11.4 tok/s for two repeats, then 16.6, same code), longer than one test's repeats, which no
         within-run statistic can see; a real regression shows in both measurements. The first
         measurement's samples and verdicts are kept in the run file.
+
+        ``dependent``: gated metrics whose repeats are not independent samples (one deterministic
+        decode read R times); gated as n=1 by magnitude (``stats.gate(independent=False)``).
+        ``decided``: decisions the test made itself against a fixed bound (e.g. a same-run ratio's
+        interval vs 1.0); recorded and reported with the others, FAIL raises, INCONCLUSIVE warns.
         """
         s = self.session
         for m in [*samples, *gated]:
@@ -427,12 +435,12 @@ class PerfGate:
                 and entry.metrics[m].provenance is not None and entry.metrics[m].provenance.external}
         gated = [m for m in gated if m not in refs]
 
+        def base_of(m: str) -> Sequence[float] | None:
+            return entry.metrics[m].samples if entry is not None and m in entry.metrics else None
+
         def decide(smp: Mapping[str, Sequence[float]]) -> list[GateDecision]:
-            out = []
-            for m in gated:
-                base = entry.metrics[m].samples if entry is not None and m in entry.metrics else None
-                out.append(gate(METRICS[m], base, smp[m], s.gate_config(m)))
-            return out
+            return [gate(METRICS[m], base_of(m), smp[m], s.gate_config(m), independent=m not in dependent)
+                    for m in gated]
 
         decisions = decide(samples)
         confirmed_from = None
@@ -444,18 +452,14 @@ class PerfGate:
                 f"({'; '.join(d.message() for d in first)}); measuring again to confirm")
             confirmed_from = {"samples": {m: [float(v) for v in vals if _finite(v)] for m, vals in samples.items()},
                               "decisions": [asdict(d) for d in decisions]}
-            samples = confirm()
-            missing = [m for m in gated if m not in samples]
+            again = confirm()
+            missing = [m for m in gated if m not in again]
             if missing:
                 raise ValueError(f"the confirming measurement did not measure gated metric(s) {missing}")
-            decisions = []
-            for d in decide(samples):
-                was = next((f for f in first if f.metric == d.metric), None)
-                if was is not None:
-                    d = replace(d, reason=f"{d.reason}; first measurement also FAIL (median {was.current:.4g})"
-                                if d.verdict == "FAIL" else
-                                f"{d.reason}; the first measurement's FAIL (median {was.current:.4g}) did not repeat")
-                decisions.append(d)
+            # pooled, not replaced: the recorded samples are what the reported decision used
+            decisions = [confirm_gate(METRICS[m], base_of(m), samples[m], again[m], s.gate_config(m),
+                                      independent=m not in dependent) for m in gated]
+            samples = {m: [*samples.get(m, []), *again.get(m, [])] for m in {**samples, **again}}
         if refs:
             from .stats import reference_comparison
 
@@ -465,6 +469,11 @@ class PerfGate:
         if s.update:
             decisions = [replace(d, verdict="UPDATED", reason=f"recorded as baseline (was: {d.verdict}, {d.reason})")
                          for d in decisions]
+            # a bound the test decided is no baseline: kept as decided, but nothing fails in update mode
+            decisions += [replace(d, reason=f"{d.reason} (not raised: --perf-update-baselines)")
+                          if d.verdict == "FAIL" else d for d in decided]
+            decided = ()
+        decisions = [*decisions, *decided]
         self.decisions += decisions
         if confirmed_from is not None:
             extra = {**(extra or {}), "first_measurement": confirmed_from}
@@ -480,9 +489,9 @@ class PerfGate:
         self.node.user_properties.append((PROP, json.dumps(record, default=str)))
         fails = [d for d in decisions if d.verdict == "FAIL"]
         for d in decisions:
-            if d.verdict == "WARN":
+            if d.verdict in ("WARN", "INCONCLUSIVE"):
                 warnings.warn(PerfWarning(f"[{engine} c={concurrency}] {d.message()}"), stacklevel=2)
-        if fails and fail:
+        if fails and fail and not s.update:
             ver = ""
             if entry is not None and entry.engine_version and engine_version and entry.engine_version != engine_version:
                 ver = f" (engine version changed: baseline {entry.engine_version}, current {engine_version})"

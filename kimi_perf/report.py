@@ -18,7 +18,9 @@ from .stats import _fmt
 
 __all__ = ["ab_rows", "summary_rows", "text_table", "markdown_table", "write_reports"]
 
-HEADERS = ["test", "metric", "baseline", "current", "delta %", "tolerance", "verdict"]
+# every verdict is printed with its reason: a WARN from a FAIL that did not repeat, an n=1 magnitude
+# gate or an INCONCLUSIVE interval must not read as the plain verdict
+HEADERS = ["test", "metric", "baseline", "current", "delta %", "tolerance", "verdict", "reason"]
 AB_HEADERS = ["test", "metric [probe]", "base", "candidate", "ratio", "interval", "threshold", "pairs/blocks",
               "verdict"]
 
@@ -44,6 +46,7 @@ def summary_rows(results: list[dict[str, Any]]) -> list[list[str]]:
                 "" if delta is None or not math.isfinite(delta) else f"{delta * 100:+.1f}",
                 "" if tol is None else f"{tol * 100:.1f}%",
                 d["verdict"],
+                d.get("reason") or "",
             ])
     return rows
 
@@ -79,19 +82,21 @@ def text_table(rows: list[list[str]], headers: list[str] = HEADERS) -> str:
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [fmt.format(*headers), "  ".join("-" * w for w in widths)]
     out += [fmt.format(*r) for r in rows]
+    v = headers.index("verdict")
     counts: dict[str, int] = {}
     for r in rows:
-        counts[r[-1]] = counts.get(r[-1], 0) + 1
+        counts[r[v]] = counts.get(r[v], 0) + 1
     out.append("verdicts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     return "\n".join(out)
 
 
 def markdown_table(rows: list[list[str]], headers: list[str] = HEADERS) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    v = headers.index("verdict")
     for r in rows:
         cells = [c.replace("|", "\\|") for c in r]
-        if r[-1] in ("FAIL", "ERROR", "INCONCLUSIVE"):
-            cells[-1] = f"**{r[-1]}**"
+        if r[v] in ("FAIL", "ERROR", "INCONCLUSIVE", "WARN"):
+            cells[v] = f"**{r[v]}**"
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
