@@ -232,3 +232,46 @@ def test_planted_slowdown_burns_that_fraction_of_each_decode_step(model_dir, tok
     monkeypatch.setenv(PLANT_ENV, "-1")
     with pytest.raises(ValueError, match=PLANT_ENV):
         make_engine(model_dir)
+
+
+class _OracleDrafter:
+    """Proposes the plain greedy continuation itself, so every draft is accepted: acceptance is then
+    decided by the engine's truncation alone (issue 16 item 9: count what is emitted)."""
+
+    aux_layers = (1,)
+
+    def __init__(self, continuation):
+        self.cont = continuation  # {rid: plain greedy output}
+
+    def propose(self, seqs, k):
+        out = []
+        for s in seqs:
+            # s.next_token is output[-1], not yet fed; the drafts follow it
+            nxt = self.cont[s.rid][len(s.output): len(s.output) + k]
+            out.append(nxt + [0] * (k - len(nxt)))
+        return out
+
+    def move_slot(self, src, dst, length):
+        pass
+
+
+@pytest.mark.parametrize("max_new", [9, 10, 12])
+def test_spec_counters_count_emitted_tokens_when_max_tokens_truncates(model_dir, tok, max_new):
+    """k=3 and a drafter that is always right: each verify step emits 4 tokens (3 drafts + bonus)
+    until max_tokens cuts the last step. The counters must give 1 + accepted / drafts = emitted tokens
+    per verify step (the prefill's first token is no verify step), not the accepted prefix before the cut."""
+    k = 3
+    prompt = chat_ids(tok, PROMPTS[0])
+    plain = run_all(make_engine(model_dir), [prompt], max_new + k + 1)[0]
+    eng = make_engine(model_dir, drafter=_OracleDrafter({"0": plain}), spec_steps=k)
+    out = run_all(eng, [prompt], max_new)[0]
+    assert out == plain[:max_new]
+    st = eng.stats
+    verify_emitted = max_new - 1  # the prefill emitted the first token
+    assert st.spec_drafts == -(-verify_emitted // (k + 1))  # ceil: the last step may be cut
+    assert 1 + st.spec_accepted_tokens / st.spec_drafts == pytest.approx(verify_emitted / st.spec_drafts)
+    assert st.window_tokens == verify_emitted
+    assert st.spec_accepted_tokens <= st.spec_drafts * k
+    # per position: a step that emitted e tokens accepted positions 0..e-2
+    assert st.spec_accepted_per_pos[0] >= st.spec_accepted_per_pos[1] >= st.spec_accepted_per_pos[2]
+    assert sum(st.spec_accepted_per_pos) == st.spec_accepted_tokens

@@ -419,20 +419,6 @@ class Engine:
             while a < k and d[a] == g[a]:
                 a += 1
             new = d[:a] + [g[a]]
-            s.spec_verify_ct += 1
-            s.spec_proposed += k
-            s.spec_accepted += a
-            if not s.spec_accepted_per_pos:
-                s.spec_accepted_per_pos = [0] * k
-            for j in range(a):
-                s.spec_accepted_per_pos[j] += 1
-                st.spec_accepted_per_pos[j] += 1
-            st.spec_drafts += 1
-            st.spec_draft_tokens += k
-            st.spec_accepted_tokens += a
-            st.window_verify_ct += 1
-            st.window_proposed += k
-            st.window_accepted += a
             if s.want_hidden:
                 s.hidden_rows.append(self._hidden_rows(out.hidden, i, a + 1))
             feats = torch.cat([out.hidden[j][i, : a + 1] for j in self.drafter.aux_layers], dim=-1)
@@ -441,6 +427,25 @@ class Engine:
             s.cache_len += a + 1
             s.next_token = new[-1]
             ev = self._emit(s, new)
+            # Count what was emitted, not what was verified: when EOS or max_tokens truncates the
+            # step, accepted drafts past the cut (and the bonus) never reach the client. A step that
+            # emitted e tokens counts e - 1 accepted (a when nothing was cut), so 1 + accepted / drafts
+            # is exactly emitted tokens per verify step, the same figure as the SGLang-shaped window.
+            acc = len(ev.new_tokens) - 1
+            s.spec_verify_ct += 1
+            s.spec_proposed += k
+            s.spec_accepted += acc
+            if not s.spec_accepted_per_pos:
+                s.spec_accepted_per_pos = [0] * k
+            for j in range(acc):
+                s.spec_accepted_per_pos[j] += 1
+                st.spec_accepted_per_pos[j] += 1
+            st.spec_drafts += 1
+            st.spec_draft_tokens += k
+            st.spec_accepted_tokens += acc
+            st.window_verify_ct += 1
+            st.window_proposed += k
+            st.window_accepted += acc
             st.window_tokens += len(ev.new_tokens)
             events.append(ev)
         return events
