@@ -82,8 +82,11 @@ def _ab(request, eagle3_runs, engine):
 
 
 def _workload(perf_session, drafter):
-    max_new, _, _ = _eval(perf_session)
-    return f"mtbench-heldout-{len(drafter.eval_prompts)}x{max_new}-k{drafter.steps}"
+    # kimi_perf.keys builds the key from the profile, the same function the stored keys are checked
+    # against; the drafter fixture made sure the run has exactly the prompts it names
+    from kimi_perf.keys import eagle3_workload
+
+    return eagle3_workload(perf_session.profile)
 
 
 def test_acceptance(eagle3_engine, eagle3_runs, eagle3_drafter, perf_gate, perf_session, target_model, request):

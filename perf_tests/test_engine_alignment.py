@@ -42,6 +42,7 @@ from fixtures.alignment import EngineCapture, wants_capture
 from fixtures.drafters import eval_settings, parametrize_engines, planted_sglang_config, require_engine
 from kimi_perf.alignment.diagnose import AlignmentError, AlignmentReport, check_layers
 from kimi_perf.alignment.extract import HiddenStates, Provenance
+from kimi_perf.keys import eagle3_workload
 from kimi_perf.progress import log
 
 pytestmark = [pytest.mark.perf, pytest.mark.alignment]
@@ -335,7 +336,7 @@ def test_sglang_planted_layer_offset_is_named(planted_engine, alignment, perf_se
     _record(perf_gate, alignment, name, dtype, rule_rows + rows, provenance, cap.version,
             "alignment_sglang_planted_offset", table)
     perf_gate.check(scenario="eagle3_planted_offset", engine=name, model=target_model.name,
-                    workload=f"mtbench-heldout-{len(runs.drafter.eval_prompts)}x{max_new}-k{runs.drafter.steps}",
+                    workload=eagle3_workload(s.profile),
                     concurrency=1, samples={"accept_length": [acc.accept_length]}, gated=[],
                     engine_version=cap.version,
                     extra={"correct_accept_length": good.accept_length, "correct_source": good_src,

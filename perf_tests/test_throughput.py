@@ -12,6 +12,7 @@ import contextlib
 import pytest
 
 from kimi_perf.bench import measure, samples_of
+from kimi_perf.keys import scenario_workload
 
 pytestmark = pytest.mark.perf
 
@@ -41,7 +42,8 @@ def test_single_stream_decode(perf_session, perf_server, prompt_factory, perf_ga
     ready = getattr(perf_server.process, "ready_s", None)
     if ready is not None:  # launch-to-ready of this engine's server, reported (not gated) with its version
         samples["server_ready_s"] = [ready]
-    perf_gate.check(scenario="single_stream", engine=perf_server.name, model=target_model.name, workload=w.key,
+    perf_gate.check(scenario="single_stream", engine=perf_server.name, model=target_model.name,
+                    workload=scenario_workload(perf_session.profile, "single_stream"),
                     concurrency=1, samples=samples, gated=tp.gated_single,
                     engine_version=perf_server.version,
                     confirm=lambda: run(f"{perf_server.name} single-stream (confirming)"))
@@ -57,7 +59,8 @@ def test_concurrency_sweep(perf_session, perf_server, prompt_factory, perf_gate,
         perf_session.cache[("sweep", perf_server.name, perf_concurrency)] = samples["output_throughput"]
         return samples
 
-    perf_gate.check(scenario="throughput_sweep", engine=perf_server.name, model=target_model.name, workload=w.key,
+    perf_gate.check(scenario="throughput_sweep", engine=perf_server.name, model=target_model.name,
+                    workload=scenario_workload(perf_session.profile, "throughput_sweep", perf_concurrency),
                     concurrency=perf_concurrency, samples=run(f"{perf_server.name} sweep"), gated=tp.gated_sweep,
                     engine_version=perf_server.version, confirm=lambda: run(f"{perf_server.name} sweep (confirming)"))
 
@@ -82,7 +85,8 @@ def test_batching_gain(perf_session, perf_server, prompt_factory, perf_gate, tar
         per_c[conc] = cached
     ratios = [b / a for a, b in zip(per_c[1], per_c[c])]
     perf_gate.check(scenario="batching_gain", engine=perf_server.name, model=target_model.name,
-                    workload=tp.sweep_workload(c).key, concurrency=c, samples={"batching_gain": ratios},
+                    workload=scenario_workload(perf_session.profile, "batching_gain", c), concurrency=c,
+                    samples={"batching_gain": ratios},
                     gated=["batching_gain"], engine_version=perf_server.version)
     import numpy as np
 
@@ -130,7 +134,8 @@ def test_decode_vs_memory_floor(perf_session, perf_server, prompt_factory, perf_
     log(f"{perf_server.name}: decode {np.median(decode):.1f} tok/s vs floor {floor.tok_s:.1f} tok/s "
         f"({wbytes / 1e9:.2f} GB weights at {bw / 1e12:.2f} TB/s copy bandwidth): {med:.1%} of the floor")
     perf_gate.check(scenario="decode_floor", engine=perf_server.name, model=target_model.name,
-                    workload=tp.single_stream.key, concurrency=1, samples={"decode_floor_ratio": ratios},
+                    workload=scenario_workload(perf_session.profile, "decode_floor"), concurrency=1,
+                    samples={"decode_floor_ratio": ratios},
                     gated=["decode_floor_ratio"], engine_version=perf_server.version,
                     extra={"weight_bytes": int(wbytes), "copy_bandwidth_bytes_s": bw, "floor_tok_s": floor.tok_s,
                            "decode_tok_s": list(decode), "cuda_graph_replays": info.get("cuda_graph_replays")})

@@ -1,0 +1,175 @@
+"""Baseline keys from a profile: the one place the tests (at run time) and the reachability check (in
+``tests/test_keys.py``) get the workload part of a key from.
+
+Why: a stored baseline whose key the run never builds is a gate that never fires, silently: the run
+finds no baseline and reports NEW. That happened: ``baselines/llama-3.1-8b-1xh100.json`` was keyed
+``mtbench-heldout-80x256-k3`` after the profile's ``eagle3.eval.prompts: 80``, while the run keyed it by
+the prompts it actually had, the 25 of the stable MT-bench held-out split. Both sides now call
+:func:`scenario_workload`, the run checks that it got the prompts the profile asks for
+(``fixtures/drafters.py``), and :func:`unreachable` says for any stored key why the profile can never
+build it.
+
+What is exact and what is a pattern: the throughput scenarios (``single_stream``, ``throughput_sweep``,
+``batching_gain``, ``decode_floor``) and the EAGLE-3 ones (``eagle3_acceptance``, ``eagle3_speedup``,
+``eagle3_planted_offset``) are determined by the profile alone and are checked exactly. The alignment
+scenarios' workloads name layers that come from the model's config and the drafter at run time
+(``perf_tests/test_alignment.py``, ``perf_tests/test_engine_alignment.py``), so for them only the
+shape, the dtype and the engine are checked against the profile. A scenario this module does not know
+is unreachable by definition: whoever stores a baseline for a new scenario adds it here.
+
+Nothing here imports torch or an engine.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from .baselines import BaselineKey
+from .profiles import Profile, ThroughputSpec
+
+__all__ = ["EAGLE3_SCENARIOS", "THROUGHPUT_SCENARIOS", "eagle3_eval", "eagle3_workload", "scenario_workload",
+           "throughput_workload", "unreachable"]
+
+# scenario -> which workload of the throughput section it runs (single stream or the sweep at C)
+THROUGHPUT_SCENARIOS = {"single_stream": "single", "decode_floor": "single",
+                        "throughput_sweep": "sweep", "batching_gain": "sweep"}
+EAGLE3_SCENARIOS = frozenset({"eagle3_acceptance", "eagle3_speedup", "eagle3_planted_offset"})
+
+
+def eagle3_eval(eagle3: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(held-out prompts, max new tokens, draft steps) of an ``eagle3`` section, with the defaults the
+    drafter fixture uses (``fixtures/drafters.py``: prompts 8, max_new_tokens 64, steps 3)."""
+    ev = dict(eagle3.get("eval", {}))
+    return int(ev.get("prompts", 8)), int(ev.get("max_new_tokens", 64)), int(eagle3.get("steps", 3))
+
+
+def eagle3_workload(profile: Profile) -> str:
+    """The workload key of the EAGLE-3 acceptance/speedup tests: the profile's held-out prompt count,
+    output length and draft steps. The prompt count is the configured one; the drafter fixture fails a
+    run that gets fewer prompts than configured, so the key never claims prompts that were not run."""
+    if not profile.eagle3:
+        raise ValueError(f"profile {profile.name} has no eagle3 section, so no EAGLE-3 workload")
+    n, max_new, steps = eagle3_eval(profile.eagle3)
+    return f"mtbench-heldout-{n}x{max_new}-k{steps}"
+
+
+def throughput_workload(tp: ThroughputSpec, scenario: str, concurrency: int) -> str:
+    """The workload key of a throughput scenario at ``concurrency``."""
+    which = THROUGHPUT_SCENARIOS.get(scenario)
+    if which is None:
+        raise ValueError(f"{scenario!r} is not a throughput scenario ({', '.join(THROUGHPUT_SCENARIOS)})")
+    if which == "single":
+        return tp.single_stream.key
+    return tp.sweep_workload(concurrency).key
+
+
+def scenario_workload(profile: Profile, scenario: str, concurrency: int = 1) -> str:
+    """The workload key ``scenario`` runs at ``concurrency`` under ``profile`` (throughput and EAGLE-3
+    scenarios; the tests build their keys with this)."""
+    if scenario in THROUGHPUT_SCENARIOS:
+        if profile.throughput is None:
+            raise ValueError(f"profile {profile.name} has no throughput section, so no {scenario} workload")
+        return throughput_workload(profile.throughput, scenario, concurrency)
+    if scenario in EAGLE3_SCENARIOS:
+        return eagle3_workload(profile)
+    raise ValueError(f"no workload rule for scenario {scenario!r}: add it to kimi_perf/keys.py")
+
+
+def _hardware_problem(profile: Profile, hardware: str) -> str | None:
+    pinned = profile.hardware_match.get("key") if profile.hardware_match else None
+    if pinned is not None:
+        # a machine that matches the profile gets the pinned key; any other gets a detected key, whose
+        # baselines would belong to another machine, not to this profile
+        return None if hardware == pinned else f"hardware {hardware!r} is not the profile's pinned {pinned!r}"
+    prefix = "gpu-" if profile.hardware == "cuda" else "cpu-"
+    return None if hardware.startswith(prefix) else f"hardware {hardware!r} is not a {profile.hardware} key"
+
+
+_LAYER = r"layer-(\d+|final)"
+
+
+def _alignment_problem(profile: Profile, key: BaselineKey) -> str | None:
+    from .alignment.plan import ALIGNMENT_DTYPES, PlanError, alignment_engines
+
+    try:
+        engines = alignment_engines(profile.alignment, profile.engines)
+    except PlanError as e:
+        return f"the profile's alignment section is invalid: {e}"
+    dtypes = tuple(profile.alignment.get("dtypes", ALIGNMENT_DTYPES))
+    s, w = key.scenario, key.workload
+    if key.concurrency != 1:
+        return f"alignment runs at concurrency 1, not {key.concurrency}"
+    if s in ("alignment_hf_vs_inference", "alignment_noise_floor"):
+        m = re.fullmatch(rf"(\w+):{_LAYER}", w)
+        if key.engine != "reference":
+            return f"{s} runs on the reference engine, not {key.engine!r}"
+        if m is None or m.group(1) not in dtypes:
+            return f"workload {w!r} is not DTYPE:layer-N with DTYPE one of alignment.dtypes {list(dtypes)}"
+        return None
+    if s == "alignment_fp32_vs_bf16":
+        return None if (key.engine, w) == ("reference", "hf-fp32:inference-bf16") else \
+            f"{s} is keyed reference / hf-fp32:inference-bf16, not {key.engine} / {w}"
+    if s == "alignment_stored_vs_inference":
+        if not profile.eagle3:
+            return f"{s} needs the profile's eagle3 section (it reads the drafter's stored features)"
+        return None if (key.engine, w) == ("reference", "bfloat16:eagle3-layers") else \
+            f"{s} is keyed reference / bfloat16:eagle3-layers, not {key.engine} / {w}"
+    if s == "alignment_engine_vs_hf":
+        m = re.fullmatch(rf"(\w+):[\w-]+:{_LAYER}", w)
+        if key.engine not in engines:
+            return f"engine {key.engine!r} is not in alignment.engines {list(engines)}"
+        if m is None or m.group(1) not in ALIGNMENT_DTYPES:
+            return f"workload {w!r} is not DTYPE:CAPTURE:layer-N"
+        return None
+    return f"scenario {s!r} has no rule in kimi_perf/keys.py"
+
+
+def unreachable(profile: Profile, key: BaselineKey) -> str | None:
+    """Why no run of ``profile`` can build ``key`` (None: some run can). Model and hardware are those
+    the profile runs with (``--perf-model`` aside); the engine must be one the scenario runs on."""
+    if key.model != profile.model.name:
+        return f"model {key.model!r} is not the profile's {profile.model.name!r}"
+    hw = _hardware_problem(profile, key.hardware)
+    if hw is not None:
+        return hw
+    s = key.scenario
+    if s in THROUGHPUT_SCENARIOS:
+        tp = profile.throughput
+        if tp is None:
+            return f"the profile has no throughput section, so no {s}"
+        if key.engine not in profile.engines:
+            return f"engine {key.engine!r} is not one of the profile's {list(profile.engines)}"
+        allowed = {"single_stream": (1,), "decode_floor": (1,), "throughput_sweep": tp.concurrency,
+                   "batching_gain": (tp.batching_gain[0],) if tp.batching_gain else ()}[s]
+        if key.concurrency not in allowed:
+            return f"{s} runs at concurrency {list(allowed)}, not {key.concurrency}"
+        if s == "decode_floor" and tp.min_floor_ratio is None:
+            return "decode_floor runs only with throughput.min_floor_ratio set"
+        want = throughput_workload(tp, s, key.concurrency)
+        return None if key.workload == want else f"workload {key.workload!r}: the profile's {s} runs {want!r}"
+    if s in EAGLE3_SCENARIOS:
+        from .alignment.plan import PlanError, eagle3_engines
+
+        if not profile.eagle3:
+            return f"the profile has no eagle3 section, so no {s}"
+        try:
+            engines = eagle3_engines(profile.eagle3, profile.engines)
+        except PlanError as e:
+            return f"the profile's eagle3 section is invalid: {e}"
+        if s == "eagle3_acceptance" and "vllm" in profile.engines:
+            # test_acceptance_in_vllm serves the same drafter on vllm when eagle3.engines leaves it out
+            engines = (*engines, "vllm")
+        if s == "eagle3_planted_offset":
+            # the planted SGLang layer offset runs on the profile's SGLang engines
+            engines = tuple(n for n, e in profile.engines.items() if e.get("kind") == "sglang")
+        if key.engine not in engines:
+            return f"engine {key.engine!r} does not run {s} under this profile (engines {list(engines)})"
+        if key.concurrency != 1:
+            return f"{s} runs at concurrency 1, not {key.concurrency}"
+        want = eagle3_workload(profile)
+        return None if key.workload == want else f"workload {key.workload!r}: the profile's {s} runs {want!r}"
+    if s.startswith("alignment_"):
+        return _alignment_problem(profile, key)
+    return f"scenario {s!r} has no rule in kimi_perf/keys.py (add one before storing its baselines)"

@@ -1,0 +1,84 @@
+"""Every stored baseline key of every profile is one its runs can build (issue 16 item 3).
+
+A key no run builds is a gate that never fires: the run reports NEW and nobody notices. The keys come
+from kimi_perf.keys, the module the tests build their keys with.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kimi_perf.baselines import BaselineKey, BaselineStore
+from kimi_perf.keys import eagle3_workload, scenario_workload, unreachable
+from kimi_perf.profiles import load_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILES = sorted((ROOT / "profiles").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", PROFILES, ids=[p.stem for p in PROFILES])
+def test_every_stored_key_is_reachable_from_its_profile(path):
+    profile = load_profile(path)
+    bpath = ROOT / "baselines" / f"{profile.name}.json"
+    if not bpath.exists():
+        pytest.skip(f"no baselines/{profile.name}.json")
+    store = BaselineStore(bpath, profile.name)
+    bad = {kid: why for kid, e in store.entries.items() if (why := unreachable(profile, e.key)) is not None}
+    assert not bad, "stored keys no run of this profile builds:\n" + "\n".join(f"{k}: {w}" for k, w in bad.items())
+
+
+def test_every_baseline_file_has_its_profile():
+    names = {p.stem for p in PROFILES}
+    orphans = [p.name for p in (ROOT / "baselines").glob("*.json") if p.stem not in names]
+    assert not orphans, f"baseline files without a profile: {orphans}"
+
+
+def test_the_h100_speedup_key_is_the_runtime_key():
+    profile = load_profile(ROOT / "profiles" / "llama-3.1-8b-1xh100.json")
+    assert eagle3_workload(profile) == "mtbench-heldout-25x256-k3"
+    key = BaselineKey("eagle3_speedup", "sglang", "Llama-3.1-8B-Instruct", "gpu-h100-x1", eagle3_workload(profile), 1)
+    assert unreachable(profile, key) is None
+    assert "mtbench-heldout-25x256-k3" in unreachable(profile, BaselineKey(
+        "eagle3_speedup", "sglang", "Llama-3.1-8B-Instruct", "gpu-h100-x1", "mtbench-heldout-80x256-k3", 1))
+
+
+def test_unreachable_names_why():
+    profile = load_profile(ROOT / "profiles" / "embedded-cpu.json")
+    w = scenario_workload(profile, "throughput_sweep", profile.throughput.concurrency[0])
+    ok = BaselineKey("throughput_sweep", "reference", profile.model.name, "cpu-x86_64-2c", w,
+                     profile.throughput.concurrency[0])
+    assert unreachable(profile, ok) is None
+    from dataclasses import replace
+
+    assert "concurrency" in unreachable(profile, replace(ok, concurrency=999))
+    assert "workload" in unreachable(profile, replace(ok, workload="random-00000000"))
+    assert "model" in unreachable(profile, replace(ok, model="other"))
+    assert "engine" in unreachable(profile, replace(ok, engine="sglang"))
+    assert "no rule" in unreachable(profile, replace(ok, scenario="brand_new"))
+
+
+@pytest.mark.parametrize("path", PROFILES, ids=[p.stem for p in PROFILES])
+def test_eagle3_eval_prompts_fit_the_held_out_split(path):
+    """The drafter fixture fails a run with fewer held-out prompts than eagle3.eval.prompts (the key
+    names that count); this catches it without a GPU. Needs the MT-bench file (python -m kimi_perf.data)."""
+    profile = load_profile(path)
+    if not profile.eagle3:
+        pytest.skip("no eagle3 section")
+    from kimi_perf.data import load_mtbench, stable_split
+
+    try:
+        convs = load_mtbench()
+    except (FileNotFoundError, RuntimeError, OSError) as e:
+        pytest.skip(f"MT-bench data not fetched: {e}")
+    recipe = dict(profile.eagle3.get("recipe", {}))
+    data = dict(recipe.get("data", {}))
+    # the --perf-drafter path uses fraction 0.25; a recipe its own data config
+    frac = float(data.get("held_out_fraction", 0.25))
+    held = sum(1 for c in convs if stable_split(c.id, frac) == "heldout")
+    if data.get("max_heldout_items") is not None:
+        held = min(held, int(data["max_heldout_items"]))
+    want = int(profile.eagle3.get("eval", {}).get("prompts", 8))
+    assert want <= held, (f"{path.name}: eagle3.eval.prompts {want} > {held} held-out MT-bench prompts; "
+                          f"set it to at most {held}")
