@@ -9,6 +9,20 @@ Baselines are keyed by the engine that served them. SGLang's acceptance comes fr
 ``/generate`` meta_info (kimi_perf.eagle3.evaluate); vLLM's and the reference engine's from the
 vllm:spec_decode_* counters.
 
+Why acceptance is gated as n=1: its R repeats are one drafter decoding the same prompts greedily, so
+they return the same number (the stored baselines hold R identical values); feeding them to a rank
+test as R samples made a 3-vs-3 "significance" out of one observation. The gate takes their median as
+one sample and decides by magnitude against the profile's floor, which is sized from measured
+retrains (profile ``sources``); the reason in every report says n=1.
+
+Why speedup is an interval against 1.0: a median above a 0.9 floor let speculative decoding run 10%
+slower than plain and PASS. Each repeat is a plain/spec pair of the same prompts run back to back, so
+the t interval over the pair log ratios (kimi_perf.stats.ratio_interval_gate) gates ``spec_speedup >=
+max(1.0, eval.min_speedup)``: FAIL only when the whole interval is below, INCONCLUSIVE (a warning with
+the interval) when it straddles -- the 2-core CI box measures 1.09-1.16x medians with single pairs from
+0.92, which 3 pairs cannot separate from 1.0 -- and PASS above. The stored-baseline gate on the same
+ratios still catches a regression against the recorded speedup.
+
 Why the A/B also captures hidden states on SGLang: sglang 0.5.17 returns a served drafter's aux layers
 only while serving it, so the alignment test of that engine (test_engine_alignment.py) reads what the
 A/B's servers captured before they stop, instead of launching them again (~1.5 min each on the H200).
@@ -115,6 +129,9 @@ def test_acceptance(eagle3_engine, eagle3_runs, eagle3_drafter, perf_gate, perf_
                         if r.extra.get("per_position_unavailable")), None)
             not_measured[f"accept_rate_pos{i}"] = (f"{eng} exports no per-position counters"
                                                    + (f" ({why})" if why else ""))
+    # one deterministic decode read R times: one sample (the median), the repeats kept in the run file
+    repeats = {m: [float(v) for v in vals] for m, vals in samples.items()}
+    samples = {m: [float(np.median(vals))] for m, vals in repeats.items()}
     wanted = list(perf_session.profile.eagle3.get("gated", ["accept_length", "accept_rate_pos0"]))
     ungated = {m: not_measured.get(m, "not measured") for m in wanted
                if m not in samples and m != "spec_speedup"}  # spec_speedup: test_speedup_vs_no_spec
@@ -130,39 +147,50 @@ def test_acceptance(eagle3_engine, eagle3_runs, eagle3_drafter, perf_gate, perf_
     extra = {"drafter": str(eagle3_drafter.path), "train": rep.get("train"), "data": {
         k: v for k, v in (rep.get("data") or {}).items() if k not in ("train_ids", "heldout_ids")},
         "acceptance_source": sorted({r.source for r in spec}), "not_measured": not_measured,
+        "acceptance_repeats": repeats, "acceptance_repeats_identical": {m: len(set(v)) == 1 for m, v in repeats.items()},
         "engine_versions": dict(ab.versions), "servers": dict(ab.configs)}
     perf_gate.check(scenario="eagle3_acceptance", engine=eng, model=target_model.name,
                     workload=_workload(perf_session, eagle3_drafter), concurrency=1, samples=samples,
-                    gated=[m for m in wanted if m in samples],
+                    gated=[m for m in wanted if m in samples], dependent=list(samples),
                     engine_version=ab.versions.get("spec"), extra=extra)
     log(f"eagle3 acceptance [{eng}]: " + ", ".join(f"{k} {np.median(v):.3f}" for k, v in samples.items()))
     _, _, min_len = _eval(perf_session)
-    med = float(np.median(samples["accept_length"]))
+    med = samples["accept_length"][0]
     assert med >= min_len, (f"[{eng}] accept_length (higher is better, tok/step): {med:.3f} < the profile's "
-                            f"minimum {min_len}")
+                            f"minimum {min_len} (eagle3.eval.min_accept_length; n=1: the median of "
+                            f"{len(spec)} repeats of one deterministic decode, {repeats['accept_length']})")
 
 
 def test_speedup_vs_no_spec(eagle3_engine, eagle3_runs, eagle3_drafter, perf_gate, perf_session, target_model,
                             request):
     """Output tok/s with EAGLE-3 over without, same prompts, same run, batch 1, same engine."""
+    from dataclasses import replace
+
+    from kimi_perf.metrics import get_metric
+    from kimi_perf.stats import ratio_interval_gate
+
     eng = eagle3_engine
     ab = _ab(request, eagle3_runs, eng)
     ratios = [s.output_tok_s / p.output_tok_s for s, p in zip(ab.spec, ab.plain)]
     same = sum(a == b for s, p in zip(ab.spec, ab.plain) for a, b in zip(s.texts, p.texts))
     total = sum(len(s.texts) for s in ab.spec)
+    _, min_speedup, _ = _eval(perf_session)
+    # speculative decoding slower than plain never passes: a profile may raise the bound, not lower it
+    bound = max(1.0, min_speedup)
+    alpha = perf_session.gate_config("spec_speedup").alpha
+    iv = ratio_interval_gate(get_metric("spec_speedup"), [s.output_tok_s for s in ab.spec],
+                             [p.output_tok_s for p in ab.plain], threshold=bound, level=1 - alpha)
+    if min_speedup < 1.0:
+        iv = replace(iv, reason=f"{iv.reason} (eval.min_speedup {min_speedup:g} is below 1.0: gated at 1.0)")
     perf_gate.check(scenario="eagle3_speedup", engine=eng, model=target_model.name,
                     workload=_workload(perf_session, eagle3_drafter), concurrency=1, samples={"spec_speedup": ratios},
-                    gated=["spec_speedup"], engine_version=ab.versions.get("spec"),
+                    gated=["spec_speedup"], decided=[iv], engine_version=ab.versions.get("spec"),
                     extra={"plain_tok_s": [p.output_tok_s for p in ab.plain],
                            "spec_tok_s": [s.output_tok_s for s in ab.spec],
                            "identical_outputs": f"{same}/{total}", "engine_versions": dict(ab.versions),
-                           "servers": dict(ab.configs)})
-    _, min_speedup, _ = _eval(perf_session)
-    med = float(np.median(ratios))
-    log(f"eagle3 speedup [{eng}]: {med:.3f}x (per repeat {', '.join(f'{r:.3f}' for r in ratios)}); "
+                           "servers": dict(ab.configs), "speedup_interval": iv.message()})
+    log(f"eagle3 speedup [{eng}]: {iv.message()} (per repeat {', '.join(f'{r:.3f}' for r in ratios)}); "
         f"serving-dtype outputs identical to no-spec for {same}/{total} requests")
-    assert med > min_speedup, (f"[{eng}] spec_speedup (higher is better, x): median {med:.3f} is not above "
-                               f"{min_speedup} (per repeat: {ratios})")
 
 
 def test_lossless_in_fp32(eagle3_drafter, server_pool, perf_session, target_model):
@@ -323,4 +351,5 @@ def test_acceptance_in_vllm(eagle3_drafter, eagle3_runs, perf_session, target_mo
     log("eagle3 same drafter, two engines:\n" + table)
     perf_gate.check(scenario="eagle3_acceptance", engine="vllm", model=target_model.name,
                     workload=_workload(perf_session, eagle3_drafter), concurrency=1, samples=samples,
-                    gated=["accept_length"], engine_version=srv.version, extra={"markdown": table})
+                    gated=["accept_length"], dependent=["accept_length"], engine_version=srv.version,
+                    extra={"markdown": table})
