@@ -1,12 +1,20 @@
 """The kimi-perf pytest plugin: options, markers, session state, result transport, gate, summary.
 
-Loaded by the repository's ``conftest.py`` (``pytest_plugins``). Design follows pytest-benchmark and
-pytest-xdist:
+Registered by the ``pytest11`` entry point named ``kimi_perf.plugin`` (``pip install kimi-perf`` makes
+``--perf-*`` available in any repository); the repository's ``conftest.py`` lists the module under the
+same name, which pytest then skips, so it registers once either way. Design follows pytest-benchmark
+and pytest-xdist:
 
 - one option group ``kimi-perf``; every flag is ``--perf-*`` and falls back to an ini value under
   ``[tool.pytest.ini_options]`` (so a runner's defaults live in ``pyproject.toml``);
+- inert until a selected test needs it: the :class:`PerfSession` (profile, baselines) is built when a
+  collected test asks for a profile-parametrized fixture or, after ``-m``/``-k`` deselection, a
+  selected test is marked ``perf``/``ab`` or uses ``perf_session``/``perf_gate``. Installed in every
+  repository by the entry point, the plugin must not make ``pytest tests/`` depend on a profile or a
+  baseline file those tests never read;
 - one :class:`PerfSession` in ``config.stash``; misconfiguration (unknown profile or engine, malformed
-  profile or baseline file) is a ``pytest.UsageError`` raised at configure time, before anything runs;
+  profile or baseline file) is a ``pytest.UsageError`` raised when the session is built, at collection,
+  before anything runs;
 - tests record results through the ``perf_gate`` fixture, which gates in the test (a regression is
   an assertion failure of that test) and attaches the JSON record to ``report.user_properties``; the
   summary table, run file and baseline update are built from the reports in
@@ -104,10 +112,7 @@ SESSION_KEY = pytest.StashKey[PerfSession]()
 
 
 def get_session(config: pytest.Config) -> PerfSession:
-    try:
-        return config.stash[SESSION_KEY]
-    except KeyError:
-        raise pytest.UsageError("the kimi-perf plugin is not configured (is kimi_perf.plugin in pytest_plugins?)") from None
+    return activate(config)
 
 
 # -- options --------------------------------------------------------------------------------------
@@ -121,6 +126,12 @@ _INI: list[tuple[str, str, str]] = [
     ("perf_server_timeout", "seconds a server may take to become ready", "600"),
     ("perf_history_dir", "directory of <profile>.jsonl run histories ('off' = none)", "baselines/history"),
 ]
+# the one place the defaults live: addini gets them and every --perf-* help text quotes them from here
+_DEFAULT = {name: default for name, _, default in _INI}
+
+
+def _ini_help(name: str, default: str | None = None) -> str:
+    return f"ini: {name}; default {default if default is not None else _DEFAULT[name]}"
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -132,26 +143,26 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 def pytest_addoption(parser: pytest.Parser) -> None:
     g = parser.getgroup("kimi-perf", "kimi-perf: LLM serving performance gates")
     g.addoption("--perf-profile", default=None, metavar="NAME",
-                help="profile to run: a name under profiles/ or a JSON path (ini: perf_profile; default embedded-cpu)")
+                help=f"profile to run: a name under profiles/ or a JSON path ({_ini_help('perf_profile')})")
     g.addoption("--perf-engine", default=None, metavar="NAMES",
-                help="engines of the profile to measure, comma-separated, or 'all' (ini: perf_engine; default: the "
-                     "profile's default_engines)")
+                help="engines of the profile to measure, comma-separated, or 'all' "
+                     f"({_ini_help('perf_engine', _DEFAULT['perf_engine'] + ': the profile default_engines')})")
     g.addoption("--perf-model", default=None, metavar="PATH",
                 help="serve this model directory instead of the profile's model")
     g.addoption("--perf-repeats", default=None, type=int, metavar="N",
                 help="measured repeats per point; the gate compares medians and runs a Mann-Whitney test over them "
-                     "(ini: perf_repeats; default: the profile's repeats)")
+                     f"({_ini_help('perf_repeats', _DEFAULT['perf_repeats'] + ': the profile repeats')})")
     g.addoption("--perf-update-baselines", action="store_true", default=False,
                 help="record this run's samples as the new baselines (atomic rewrite of baselines/<profile>.json); "
                      "nothing fails on regression")
     g.addoption("--perf-json", default=None, metavar="PATH",
                 help="also write the run file (results, machine, commit) to PATH")
     g.addoption("--perf-report-dir", default=None, metavar="DIR",
-                help="where the summary (markdown), run file, PNG plots and server logs go (ini: perf_report_dir)")
+                help=f"where the summary (markdown), run file, PNG plots and server logs go ({_ini_help('perf_report_dir')})")
     g.addoption("--perf-baseline-dir", default=None, metavar="DIR",
-                help="directory holding <profile>.json baselines (ini: perf_baseline_dir; default baselines/)")
+                help=f"directory holding <profile>.json baselines ({_ini_help('perf_baseline_dir')})")
     g.addoption("--perf-server-timeout", default=None, type=float, metavar="SECONDS",
-                help="how long a server may take to become ready (ini: perf_server_timeout; default 600)")
+                help=f"how long a server may take to become ready ({_ini_help('perf_server_timeout')})")
     g.addoption("--perf-allow-remote-bind", action="store_true", default=False,
                 help="let a profile's engine bind a non-loopback host (default: every server binds 127.0.0.1)")
     g.addoption("--perf-drafter", default=None, metavar="PATH",
@@ -172,8 +183,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      "with another engine release)")
     g.addoption("--perf-history", default=None, metavar="DIR|off",
                 help="append every run's medians (with commit, host, engine versions) to DIR/<profile>.jsonl for "
-                     "'python -m kimi_perf.history'; 'off' disables it (ini: perf_history_dir; default "
-                     "baselines/history)")
+                     "'python -m kimi_perf.history'; 'off' disables it "
+                     f"({_ini_help('perf_history_dir')})")
     for name, help_, default in _INI:
         parser.addini(name, help_, default=default)
 
@@ -191,6 +202,14 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"{name}: {desc}")
     if config.option.help or config.option.version:
         return  # --help must work even where the default profile does not exist
+    # nothing is loaded here: the session is built by activate() when a selected test needs it
+    if not hasattr(config, "workerinput"):
+        config.pluginmanager.register(PerfCollector(config), "kimi-perf-collector")
+    _install_progress_sink(config)
+
+
+def _build_session(config: pytest.Config) -> PerfSession:
+    """The run's profile, baselines and options; pytest.UsageError on misconfiguration."""
     rootdir = Path(str(config.rootpath))
     try:
         prof_path = find_profile(str(_opt(config, "perf_profile")), [rootdir / "profiles", Path.cwd() / "profiles"])
@@ -249,7 +268,7 @@ def pytest_configure(config: pytest.Config) -> None:
         if cand and not Path(cand).exists():
             raise pytest.UsageError(f"--perf-{eng}-python / KIMI_PERF_{eng.upper()}_PYTHON: {cand} does not exist")
         pythons[eng] = cand
-    config.stash[SESSION_KEY] = PerfSession(
+    return PerfSession(
         config=config, profile=profile, store=store, report_dir=report_dir,
         repeats=repeats or profile.repeats, update=bool(config.getoption("--perf-update-baselines")),
         engines=engines, hardware=profile.hardware_key(hardware_key(gpus, use_gpu=profile.hardware == "cuda"), gpus),
@@ -259,9 +278,50 @@ def pytest_configure(config: pytest.Config) -> None:
         engine_pythons={k: v for k, v in pythons.items() if v}, gpus=gpus,
         allow_remote_bind=bool(config.getoption("--perf-allow-remote-bind")), ab=ab, history_path=history_path,
     )
-    if not hasattr(config, "workerinput"):
-        config.pluginmanager.register(PerfCollector(config.stash[SESSION_KEY]), "kimi-perf-collector")
-    _install_progress_sink(config)
+
+
+_FAILED_KEY = pytest.StashKey[str]()
+# fixtures pytest_generate_tests parametrizes from the profile: a test that asks for one needs the session
+_PARAM_FIXTURES = frozenset({"perf_engine_name", "perf_nccl_preset", "perf_nccl_concurrency",
+                             "perf_allreduce_tokens", "perf_concurrency"})
+# every fixture of fixtures/ reaches the session through perf_session, so the closure names it
+_SESSION_FIXTURES = _PARAM_FIXTURES | {"perf_session", "perf_gate"}
+
+
+def activate(config: pytest.Config) -> PerfSession:
+    """The run's :class:`PerfSession`, built on first use. A misconfiguration raises the same
+    ``pytest.UsageError`` every time it is asked, so the test that needed it is never run half-set-up."""
+    s = config.stash.get(SESSION_KEY, None)
+    if s is not None:
+        return s
+    failed = config.stash.get(_FAILED_KEY, None)
+    if failed is not None:
+        raise pytest.UsageError(failed)
+    try:
+        s = _build_session(config)
+    except pytest.UsageError as e:
+        config.stash[_FAILED_KEY] = str(e)
+        raise
+    config.stash[SESSION_KEY] = s
+    return s
+
+
+def needs_session(item: pytest.Item) -> bool:
+    return (item.get_closest_marker("perf") is not None or item.get_closest_marker("ab") is not None
+            or not _SESSION_FIXTURES.isdisjoint(getattr(item, "fixturenames", ())))
+
+
+def _switch(config: pytest.Config, items: list[pytest.Item]) -> PerfSession | None:
+    """The inert switch, run after ``-m``/``-k`` deselection: build the session if a selected test needs
+    it (a broken profile or baseline file stops the run here as a usage error) and return it; otherwise
+    load nothing and only skip ``gpu`` tests on a machine without one, as the session would have."""
+    if any(needs_session(i) for i in items):
+        return activate(config)
+    gpu_items = [i for i in items if i.get_closest_marker("gpu") is not None]
+    if gpu_items and not gpu_info():
+        for i in gpu_items:
+            i.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; nvidia-smi lists none on this machine"))
+    return None
 
 
 def _install_progress_sink(config: pytest.Config) -> None:
@@ -283,7 +343,8 @@ def _install_progress_sink(config: pytest.Config) -> None:
     config.add_cleanup(lambda: progress.set_sink(None))
 
 
-def pytest_report_header(config: pytest.Config) -> list[str]:
+def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
+    # after "collected N items", not in the header: the session exists only once a collected test needed it
     s = config.stash.get(SESSION_KEY, None)
     if s is None:
         return []
@@ -297,8 +358,13 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    s = metafunc.config.stash.get(SESSION_KEY, None)
-    if s is None:
+    if _PARAM_FIXTURES.isdisjoint(metafunc.fixturenames):
+        return
+    try:
+        s = activate(metafunc.config)
+    except pytest.UsageError:
+        # left unparametrized: if the test is selected, _switch raises the error as a usage error
+        # (here it would only be a collection error of this module, and a deselected test needs nothing)
         return
     if "perf_engine_name" in metafunc.fixturenames:
         kinds = getattr(metafunc.function, "perf_engine_kinds", None)
@@ -319,8 +385,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("perf_concurrency", list(conc), ids=[f"c{c}" for c in conc])
 
 
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection: only the selected tests decide
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    s = config.stash.get(SESSION_KEY, None)
+    s = _switch(config, items)
     if s is None:
         return
     if s.ab is None:
@@ -542,16 +609,26 @@ def perf_session(pytestconfig: pytest.Config) -> PerfSession:
 
 class PerfCollector:
     """Registered on the controlling process only: turns reports into the summary, run file and
-    baseline update. (On an xdist worker ``report.user_properties`` travel to the controller.)"""
+    baseline update. (On an xdist worker ``report.user_properties`` travel to the controller.)
 
-    def __init__(self, session: PerfSession) -> None:
-        self.s = session
+    Registered before the session exists: the xdist controller collects nothing, so it builds the
+    session from the first result a worker reports; a run without results never builds it."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
         self.updated: tuple[Path, int] | None = None
+
+    @property
+    def s(self) -> PerfSession:
+        return activate(self.config)
+
+    def _active(self) -> bool:
+        return self.config.stash.get(SESSION_KEY, None) is not None
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when != "call":
             return
-        cfg = self.s.config
+        cfg = self.config
         for name, value in report.user_properties:
             if name == PROP:
                 rec = json.loads(value) if isinstance(value, str) else value
@@ -560,6 +637,8 @@ class PerfCollector:
                 cfg.hook.pytest_perf_result(config=cfg, result=rec)
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        if not self._active():
+            return
         s = self.s
         if not s.results:
             return
@@ -581,6 +660,8 @@ class PerfCollector:
             self.updated = (s.store.write(entries), len(entries))
 
     def pytest_terminal_summary(self, terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+        if not self._active():
+            return
         s = self.s
         if not s.results:
             return

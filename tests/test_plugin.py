@@ -207,3 +207,45 @@ def test_collect_only_does_not_import_torch(project):
     project.makepyfile(test_toy=TEST.format(speeds="1.0") + "\nimport sys\n\ndef test_no_torch():\n    assert 'torch' not in sys.modules\n")
     r = run(project, "-k", "no_torch")
     r.assert_outcomes(passed=1)
+
+
+def test_inert_when_no_selected_test_needs_it(project):
+    """A broken baseline file (or an unknown profile) cannot block tests that never read it: the plugin
+    builds its session only for a selected perf test, so `pytest tests/` runs while
+    `pytest -m perf` still stops on the broken file as a usage error."""
+    (project.path / "baselines").mkdir()
+    (project.path / "baselines" / "toy.json").write_text("{not json")
+    project.makepyfile(test_unit="def test_plain():\n    pass\n", test_toy=TEST.format(speeds="1.0"))
+    run(project, "test_unit.py").assert_outcomes(passed=1)
+    run(project, "-m", "not perf").assert_outcomes(passed=1, deselected=1)
+    project.runpytest_subprocess("--perf-profile", "nope", "test_unit.py").assert_outcomes(passed=1)
+    assert run(project, "-m", "perf").ret == pytest.ExitCode.USAGE_ERROR
+
+
+def test_help_quotes_the_defaults_from_one_place(project, monkeypatch):
+    from kimi_perf.plugin import _DEFAULT
+
+    monkeypatch.setenv("COLUMNS", "400")
+    r = project.runpytest_subprocess("--help")
+    r.stdout.fnmatch_lines([f"*--perf-profile=NAME*(ini: perf_profile; default {_DEFAULT['perf_profile']})*",
+                            f"*ready (ini: perf_server_timeout; default {_DEFAULT['perf_server_timeout']})*"])
+
+
+def test_entry_point_registers_once_beside_the_conftest_listing(pytester):
+    """Installed, the pytest11 entry point loads the plugin in a project with no conftest; a project
+    whose conftest (or -p) also names kimi_perf.plugin gets it once, not a duplicate-name error."""
+    from importlib.metadata import distributions
+
+    # every distribution, as pluggy reads them: entry_points() keeps one per name, and a stale
+    # kimi_perf.egg-info in the checkout (on sys.path as the cwd) can shadow the installed one
+    eps = [e for d in distributions() for e in d.entry_points if e.group == "pytest11"]
+    if not [e for e in eps if e.value == "kimi_perf.plugin"]:
+        pytest.skip("kimi-perf is not installed (pip install -e .)")
+    pytester.makepyfile(test_x="def test_x():\n    pass\n")
+    r = pytester.runpytest_subprocess("--help")
+    r.stdout.fnmatch_lines(["*kimi-perf: LLM serving performance gates*"])
+    pytester.makeconftest('pytest_plugins = ["kimi_perf.plugin"]')
+    for args in ([], ["-p", "kimi_perf.plugin"]):
+        r = pytester.runpytest_subprocess("--fixtures", *args)  # collects, needs no profile
+        assert r.ret == 0, r.stderr.str()
+        r.stdout.fnmatch_lines(["*perf_gate*"])
