@@ -128,6 +128,7 @@ _INI: list[tuple[str, str, str]] = [
 ]
 # the one place the defaults live: addini gets them and every --perf-* help text quotes them from here
 _DEFAULT = {name: default for name, _, default in _INI}
+DEFAULT_ENGINES_HELP = "'default' = the profile's default_engines"
 
 
 def _ini_help(name: str, default: str | None = None) -> str:
@@ -146,7 +147,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help=f"profile to run: a name under profiles/ or a JSON path ({_ini_help('perf_profile')})")
     g.addoption("--perf-engine", default=None, metavar="NAMES",
                 help="engines of the profile to measure, comma-separated, or 'all' "
-                     f"({_ini_help('perf_engine', _DEFAULT['perf_engine'] + ': the profile default_engines')})")
+                     f"({_ini_help('perf_engine', DEFAULT_ENGINES_HELP)})")
     g.addoption("--perf-model", default=None, metavar="PATH",
                 help="serve this model directory instead of the profile's model")
     g.addoption("--perf-repeats", default=None, type=int, metavar="N",

@@ -118,8 +118,10 @@ def test_a_regression_must_show_twice_to_fail(project):
     project.makepyfile(test_toy=CONFIRM_TEST.format(first=60.0, second=61.0, calls=1))
     r = run(project)
     r.assert_outcomes(failed=1)
+    # the confirming repeats are pooled with the first (n=3 vs 6), and the reason names both showings
     r.stdout.fnmatch_lines(["*PerfRegression: performance regression in toy*",
-                            "*current 61.000*first measurement also FAIL (median 60)*"])
+                            "*current 60.500*n=3 vs 6*showed in both measurements (first measurement FAIL "
+                            "(median 60.000), confirming measurement FAIL (median 61.000), pooled n=6)*"])
     project.makepyfile(test_toy=CONFIRM_TEST.format(first=99.0, second=0.0, calls=0))
     run(project).assert_outcomes(passed=1)
 
