@@ -1,0 +1,93 @@
+"""The controller-side result collector: report transport, run file, history, baseline update, summary.
+
+Split out of :mod:`kimi_perf.plugin`: what happens to the recorded results after the tests (on the
+xdist controller, from ``report.user_properties``) is independent of how a test records them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .baselines import entries_from_results
+from .machine import commit_info, machine_info
+from .recorder import PROP
+from .session import SESSION_KEY, PerfSession, activate
+
+
+class PerfCollector:
+    """Registered on the controlling process only: turns reports into the summary, run file and
+    baseline update. (On an xdist worker ``report.user_properties`` travel to the controller.)
+
+    Registered before the session exists: the xdist controller collects nothing, so it builds the
+    session from the first result a worker reports; a run without results never builds it."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.updated: tuple[Path, int] | None = None
+
+    @property
+    def s(self) -> PerfSession:
+        return activate(self.config)
+
+    def _active(self) -> bool:
+        return self.config.stash.get(SESSION_KEY, None) is not None
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when != "call":
+            return
+        cfg = self.config
+        for name, value in report.user_properties:
+            if name == PROP:
+                rec = json.loads(value) if isinstance(value, str) else value
+                rec["outcome"] = report.outcome
+                self.s.results.append(rec)
+                cfg.hook.pytest_perf_result(config=cfg, result=rec)
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        if not self._active():
+            return
+        s = self.s
+        if not s.results:
+            return
+        from .report import write_reports
+
+        minfo = machine_info(with_torch=False)
+        session.config.hook.pytest_perf_update_machine_info(config=session.config, machine_info=minfo)
+        commit = commit_info(s.rootdir)
+        write_reports(s, minfo, commit)
+        if s.history_path is not None:
+            from .history import append_history, history_lines
+
+            append_history(s.history_path, history_lines(s.results, profile=s.profile.name, hardware=s.hardware,
+                                                         commit=commit, machine=minfo))
+        if not s.update:
+            return
+        entries = entries_from_results(s.results, commit=commit, machine=minfo)
+        if entries:
+            self.updated = (s.store.write(entries), len(entries))
+
+    def pytest_terminal_summary(self, terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+        if not self._active():
+            return
+        s = self.s
+        if not s.results:
+            return
+        from .report import AB_HEADERS, ab_detail_lines, ab_rows, summary_rows, text_table
+
+        tr = terminalreporter
+        tr.write_sep("=", f"kimi-perf summary: profile {s.profile.name}, hardware {s.hardware}, repeats {s.repeats}")
+        rows, abr = summary_rows(s.results), ab_rows(s.results)
+        if rows or not abr:
+            for line in text_table(rows).splitlines():
+                tr.write_line(line)
+        if abr:
+            tr.write_sep("-", "same-run A/B: candidate vs base, interleaved in this job")
+            for line in [*text_table(abr, AB_HEADERS).splitlines(), *ab_detail_lines(s.results)]:
+                tr.write_line(line)
+        tr.write_line(f"report: {s.report_dir / 'summary.md'}  run file: {s.report_dir / 'run.json'}")
+        if self.updated:
+            tr.write_line(f"baselines updated: {self.updated[0]} ({self.updated[1]} entries)")

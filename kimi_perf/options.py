@@ -1,0 +1,93 @@
+"""What kimi-perf declares to pytest: the ``--perf-*`` options, their ini fallbacks and the markers.
+
+Split out of :mod:`kimi_perf.plugin` so the option table (the one place the defaults live) reads on its
+own and the session builder can resolve an option without importing the hook module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+MARKERS = {
+    "perf": "performance measurement gated against stored baselines (starts engines)",
+    "alignment": "hidden-state agreement between an extraction path and an inference path",
+    "eagle": "EAGLE-3 drafter acceptance and speedup",
+    "gpu": "needs a CUDA GPU (skipped with a reason when none is visible)",
+    "ab": "same-run A/B against the base named by --perf-ab (deselected without it)",
+}
+
+
+_INI: list[tuple[str, str, str]] = [
+    ("perf_profile", "profile name (profiles/<name>.json) or path", "embedded-cpu"),
+    ("perf_engine", "engine name(s) of the profile, comma-separated, 'default' or 'all'", "default"),
+    ("perf_repeats", "measured repeats per point; 0 = the profile's value", "0"),
+    ("perf_report_dir", "directory for the summary, run file, plots and server logs", "perf-report"),
+    ("perf_baseline_dir", "directory of baselines/<profile>.json", "baselines"),
+    ("perf_server_timeout", "seconds a server may take to become ready", "600"),
+    ("perf_history_dir", "directory of <profile>.jsonl run histories ('off' = none)", "baselines/history"),
+]
+# the one place the defaults live: addini gets them and every --perf-* help text quotes them from here
+_DEFAULT = {name: default for name, _, default in _INI}
+DEFAULT_ENGINES_HELP = "'default' = the profile's default_engines"
+
+
+def _ini_help(name: str, default: str | None = None) -> str:
+    return f"ini: {name}; default {default if default is not None else _DEFAULT[name]}"
+
+
+
+def add_options(parser: pytest.Parser) -> None:
+    """The body of the plugin's ``pytest_addoption``: the ``--perf-*`` group and its ini values."""
+    g = parser.getgroup("kimi-perf", "kimi-perf: LLM serving performance gates")
+    g.addoption("--perf-profile", default=None, metavar="NAME",
+                help=f"profile to run: a name under profiles/ or a JSON path ({_ini_help('perf_profile')})")
+    g.addoption("--perf-engine", default=None, metavar="NAMES",
+                help="engines of the profile to measure, comma-separated, or 'all' "
+                     f"({_ini_help('perf_engine', DEFAULT_ENGINES_HELP)})")
+    g.addoption("--perf-model", default=None, metavar="PATH",
+                help="serve this model directory instead of the profile's model")
+    g.addoption("--perf-repeats", default=None, type=int, metavar="N",
+                help="measured repeats per point; the gate compares medians and runs a Mann-Whitney test over them "
+                     f"({_ini_help('perf_repeats', _DEFAULT['perf_repeats'] + ': the profile repeats')})")
+    g.addoption("--perf-update-baselines", action="store_true", default=False,
+                help="record this run's samples as the new baselines (atomic rewrite of baselines/<profile>.json); "
+                     "nothing fails on regression")
+    g.addoption("--perf-json", default=None, metavar="PATH",
+                help="also write the run file (results, machine, commit) to PATH")
+    g.addoption("--perf-report-dir", default=None, metavar="DIR",
+                help=f"where the summary (markdown), run file, PNG plots and server logs go ({_ini_help('perf_report_dir')})")
+    g.addoption("--perf-baseline-dir", default=None, metavar="DIR",
+                help=f"directory holding <profile>.json baselines ({_ini_help('perf_baseline_dir')})")
+    g.addoption("--perf-server-timeout", default=None, type=float, metavar="SECONDS",
+                help=f"how long a server may take to become ready ({_ini_help('perf_server_timeout')})")
+    g.addoption("--perf-allow-remote-bind", action="store_true", default=False,
+                help="let a profile's engine bind a non-loopback host (default: every server binds 127.0.0.1)")
+    g.addoption("--perf-drafter", default=None, metavar="PATH",
+                help="use this EAGLE-3 drafter checkpoint instead of training one")
+    g.addoption("--perf-vllm-python", default=None, metavar="PATH",
+                help="python interpreter of the environment that has vLLM (env KIMI_PERF_VLLM_PYTHON; default "
+                     ".venv-vllm/bin/python when scripts/setup.sh made it)")
+    g.addoption("--perf-sglang-python", default=None, metavar="PATH",
+                help="python interpreter of the environment that has SGLang (env KIMI_PERF_SGLANG_PYTHON; default "
+                     ".venv-sglang/bin/python when present)")
+    g.addoption("--perf-ab", default=None, metavar="BASE",
+                help="compare the candidate (this checkout, the selected engines) with BASE in the same run, "
+                     "interleaved, and gate the headline metrics on the interval of their ratio; BASE is a "
+                     "variant of the profile, 'same' (A/A) or git:REF (this repository at REF, e.g. git:HEAD~1; "
+                     "reference engine). Runs the tests marked ab, which are deselected without it")
+    g.addoption("--perf-ab-python", default=None, metavar="PATH",
+                help="interpreter of the A/B base side, for variants with \"interpreter\": \"cli\" (e.g. a venv "
+                     "with another engine release)")
+    g.addoption("--perf-history", default=None, metavar="DIR|off",
+                help="append every run's medians (with commit, host, engine versions) to DIR/<profile>.jsonl for "
+                     "'python -m kimi_perf.history'; 'off' disables it "
+                     f"({_ini_help('perf_history_dir')})")
+    for name, help_, default in _INI:
+        parser.addini(name, help_, default=default)
+
+
+def _opt(config: pytest.Config, name: str) -> Any:
+    v = config.getoption("--" + name.replace("_", "-"))
+    return v if v is not None else config.getini(name)

@@ -1,0 +1,179 @@
+"""The run's :class:`PerfSession` (profile, baselines, options) and the inert switch that builds it.
+
+Split out of :mod:`kimi_perf.plugin`: building and activating the session is what every fixture and
+hook reaches for, and it reads only options, profiles and baselines, never the gate or the reports.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .ab.base import ABBase
+from .ab.config import ABConfigError
+from .baselines import BaselineError, BaselineStore
+from .machine import gpu_info, hardware_key
+from .options import _opt
+from .profiles import Profile, ProfileError, find_profile, load_profile
+
+
+@dataclass
+class PerfSession:
+    config: pytest.Config
+    profile: Profile
+    store: BaselineStore
+    report_dir: Path
+    repeats: int
+    update: bool
+    engines: tuple[str, ...]
+    hardware: str
+    rootdir: Path
+    json_path: Path | None
+    server_timeout_s: float
+    model_override: str | None
+    drafter_path: str | None
+    engine_pythons: dict[str, str]
+    allow_remote_bind: bool = False
+    ab: ABBase | None = None  # --perf-ab: the base the ab-marked tests compare against
+    history_path: Path | None = None  # baselines/history/<profile>.jsonl, None = off
+    results: list[dict[str, Any]] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+    gpus: list[dict[str, str]] = field(default_factory=list)
+    # measurements later tests of this process may reuse (e.g. the sweep's medians for the batching
+    # gain); a test that finds nothing here measures for itself, so -k and xdist stay correct
+    cache: dict[Any, Any] = field(default_factory=dict)
+
+    def gate_config(self, metric: str):  # type: ignore[no-untyped-def]
+        return self.profile.gate.for_metric(metric)
+
+    @property
+    def is_worker(self) -> bool:
+        return hasattr(self.config, "workerinput")
+
+
+SESSION_KEY = pytest.StashKey[PerfSession]()
+
+
+def get_session(config: pytest.Config) -> PerfSession:
+    return activate(config)
+
+
+def _build_session(config: pytest.Config) -> PerfSession:
+    """The run's profile, baselines and options; pytest.UsageError on misconfiguration."""
+    rootdir = Path(str(config.rootpath))
+    try:
+        prof_path = find_profile(str(_opt(config, "perf_profile")), [rootdir / "profiles", Path.cwd() / "profiles"])
+        profile = load_profile(prof_path)
+    except ProfileError as e:
+        raise pytest.UsageError(f"{e}") from None
+    engines_opt = str(_opt(config, "perf_engine")).strip()
+    if engines_opt in ("", "default"):
+        engines = profile.default_engines
+    elif engines_opt == "all":
+        engines = tuple(profile.engines)
+    else:
+        engines = tuple(e.strip() for e in engines_opt.split(",") if e.strip())
+        unknown = [e for e in engines if e not in profile.engines]
+        if unknown:
+            raise pytest.UsageError(f"--perf-engine {engines_opt}: profile {profile.name} ({profile.path}) has no engine "
+                                    f"{', '.join(unknown)}; its engines: {', '.join(profile.engines)}")
+    try:
+        repeats = int(_opt(config, "perf_repeats"))
+        timeout = float(_opt(config, "perf_server_timeout"))
+    except ValueError as e:
+        raise pytest.UsageError(f"kimi-perf: bad number in perf_repeats/perf_server_timeout: {e}") from None
+    if repeats < 0:
+        raise pytest.UsageError("--perf-repeats must be >= 0 (0 = the profile's repeats)")
+    baseline_dir = Path(str(_opt(config, "perf_baseline_dir")))
+    if not baseline_dir.is_absolute():
+        baseline_dir = rootdir / baseline_dir
+    try:
+        store = BaselineStore(baseline_dir / f"{profile.name}.json", profile.name)
+    except BaselineError as e:
+        raise pytest.UsageError(str(e)) from None
+    report_dir = Path(str(_opt(config, "perf_report_dir")))
+    if not report_dir.is_absolute():
+        report_dir = rootdir / report_dir
+    ab = None
+    ab_opt = config.getoption("--perf-ab")
+    if ab_opt:
+        from .ab.base import resolve_base
+
+        try:
+            ab = resolve_base(ab_opt, dict(profile.variants), rootdir, python=config.getoption("--perf-ab-python"))
+        except ABConfigError as e:
+            raise pytest.UsageError(str(e)) from None
+    hist = str(config.getoption("--perf-history") or config.getini("perf_history_dir")).strip()
+    history_path = None
+    if hist and hist.lower() != "off":
+        history_path = (Path(hist) if Path(hist).is_absolute() else rootdir / hist) / f"{profile.name}.jsonl"
+    gpus = gpu_info()
+    json_opt = config.getoption("--perf-json")
+    pythons = {}
+    for eng in ("vllm", "sglang"):
+        # flag, then env, then the venv scripts/setup.sh creates beside the checkout
+        cand = (config.getoption(f"--perf-{eng}-python") or os.environ.get(f"KIMI_PERF_{eng.upper()}_PYTHON", "")
+                or (str(rootdir / f".venv-{eng}" / "bin" / "python")
+                    if (rootdir / f".venv-{eng}" / "bin" / "python").exists() else ""))
+        if cand and not Path(cand).exists():
+            raise pytest.UsageError(f"--perf-{eng}-python / KIMI_PERF_{eng.upper()}_PYTHON: {cand} does not exist")
+        pythons[eng] = cand
+    return PerfSession(
+        config=config, profile=profile, store=store, report_dir=report_dir,
+        repeats=repeats or profile.repeats, update=bool(config.getoption("--perf-update-baselines")),
+        engines=engines, hardware=profile.hardware_key(hardware_key(gpus, use_gpu=profile.hardware == "cuda"), gpus),
+        rootdir=rootdir,
+        json_path=Path(json_opt) if json_opt else None, server_timeout_s=timeout,
+        model_override=config.getoption("--perf-model"), drafter_path=config.getoption("--perf-drafter"),
+        engine_pythons={k: v for k, v in pythons.items() if v}, gpus=gpus,
+        allow_remote_bind=bool(config.getoption("--perf-allow-remote-bind")), ab=ab, history_path=history_path,
+    )
+
+
+_FAILED_KEY = pytest.StashKey[str]()
+# fixtures pytest_generate_tests parametrizes from the profile: a test that asks for one needs the session
+_PARAM_FIXTURES = frozenset({"perf_engine_name", "perf_nccl_preset", "perf_nccl_concurrency",
+                             "perf_allreduce_tokens", "perf_concurrency"})
+# every fixture of fixtures/ reaches the session through perf_session, so the closure names it
+_SESSION_FIXTURES = _PARAM_FIXTURES | {"perf_session", "perf_gate"}
+
+
+def activate(config: pytest.Config) -> PerfSession:
+    """The run's :class:`PerfSession`, built on first use. A misconfiguration raises the same
+    ``pytest.UsageError`` every time it is asked, so the test that needed it is never run half-set-up."""
+    s = config.stash.get(SESSION_KEY, None)
+    if s is not None:
+        return s
+    failed = config.stash.get(_FAILED_KEY, None)
+    if failed is not None:
+        raise pytest.UsageError(failed)
+    try:
+        s = _build_session(config)
+    except pytest.UsageError as e:
+        config.stash[_FAILED_KEY] = str(e)
+        raise
+    config.stash[SESSION_KEY] = s
+    return s
+
+
+def needs_session(item: pytest.Item) -> bool:
+    return (item.get_closest_marker("perf") is not None or item.get_closest_marker("ab") is not None
+            or not _SESSION_FIXTURES.isdisjoint(getattr(item, "fixturenames", ())))
+
+
+def _switch(config: pytest.Config, items: list[pytest.Item]) -> PerfSession | None:
+    """The inert switch, run after ``-m``/``-k`` deselection: build the session if a selected test needs
+    it (a broken profile or baseline file stops the run here as a usage error) and return it; otherwise
+    load nothing and only skip ``gpu`` tests on a machine without one, as the session would have."""
+    if any(needs_session(i) for i in items):
+        return activate(config)
+    gpu_items = [i for i in items if i.get_closest_marker("gpu") is not None]
+    if gpu_items and not gpu_info():
+        for i in gpu_items:
+            i.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; nvidia-smi lists none on this machine"))
+    return None
