@@ -50,6 +50,7 @@ from .session import (
     activate,
     get_session,
     needs_session,
+    server_affine_order,
 )
 
 # the names other modules (fixtures/, perf_tests/, tests/) import from the registered plugin module
@@ -185,6 +186,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason=reason))
         elif item.get_closest_marker("gpu") is not None and not s.gpus:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; nvidia-smi lists none on this machine"))
+    items[:] = server_affine_order(items, s.engines)
 
 
 MISSING_KEY = pytest.StashKey[str]()

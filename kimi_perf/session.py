@@ -177,3 +177,36 @@ def _switch(config: pytest.Config, items: list[pytest.Item]) -> PerfSession | No
         for i in gpu_items:
             i.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; nvidia-smi lists none on this machine"))
     return None
+
+
+def server_affine_order(items: list[pytest.Item], engines: tuple[str, ...] | list[str]) -> list[pytest.Item]:
+    """The selected perf tests in the order that launches each engine server once: modules in the order
+    pytest gives them, within a module one engine at a time (the profile's engine order), then the
+    tests as written with their parameters in declaration order. Tests not marked ``perf`` keep the
+    place pytest gave them within their module.
+
+    Why: pytest reorders items to share higher-scoped fixtures, and its choice moves between releases
+    (9.1 moved ``test_concurrency_sweep[c8..c128]`` behind every other module, 9.2 does not). The
+    engine server is a pooled resource the fixtures cannot declare, so that move stopped the server
+    for the EAGLE-3 and alignment servers and relaunched it for the sweep -- 60-180 s per real engine
+    on the H200."""
+    first: dict[Any, int] = {}
+    for i in items:
+        first.setdefault(getattr(i, "module", None) or i.parent, len(first))
+    rank = {e: n for n, e in enumerate(engines)}
+
+    def key(t: tuple[int, pytest.Item]) -> tuple[Any, ...]:
+        pos, item = t
+        cs = getattr(item, "callspec", None)
+        params = dict(getattr(cs, "params", {}) or {})
+        indices = tuple(dict(getattr(cs, "indices", {}) or {}).values())
+        mod = first[getattr(item, "module", None) or item.parent]
+        if item.get_closest_marker("perf") is None:
+            return (mod, -1, pos, (), pos)
+        # the engine a test talks to: perf_engine_name, or an engine-parametrized fixture (align_engine, ...)
+        engine = next((v for v in params.values() if isinstance(v, str) and v in rank), None)
+        line = item.reportinfo()[1]
+        # a test that names no engine runs with the first engine's group, where it was written
+        return (mod, rank[engine] if engine is not None else 0, line if isinstance(line, int) else pos, indices, pos)
+
+    return [item for _, item in sorted(enumerate(items), key=key)]
