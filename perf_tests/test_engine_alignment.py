@@ -99,14 +99,15 @@ def _threshold(alignment: Any, engine: str, dtype: str, layer: Any) -> tuple[flo
 def _only(h: HiddenStates, layers: list[Any], note: str = "") -> HiddenStates:
     p = h.provenance
     return HiddenStates({k: h.get(k) for k in layers}, h.token_ids, Provenance(
-        p.backend, p.version, p.dtype, p.positions, p.layer_convention, p.note + note), h.output_ids)
+        p.backend, p.version, p.dtype, p.positions, p.layer_convention, p.note + note), h.output_ids, h.prompt_len)
 
 
 def _relabel(h: HiddenStates, mapping: dict[Any, Any], note: str) -> HiddenStates:
     """Columns ``mapping[new] = old``: the engine's rows named as someone else (the drafter) reads them."""
     p = h.provenance
     return HiddenStates({new: h.get(old) for new, old in mapping.items()}, h.token_ids, Provenance(
-        p.backend, p.version, p.dtype, p.positions, p.layer_convention, f"{p.note}; {note}"), h.output_ids)
+        p.backend, p.version, p.dtype, p.positions, p.layer_convention, f"{p.note}; {note}"), h.output_ids,
+        h.prompt_len)
 
 
 def _neighbours(k: Any, n: int) -> list[Any]:

@@ -180,6 +180,10 @@ def test_rows_below_names_the_failing_positions():
     cos[[15, 31, 47]] = 0.5
     assert rows_below(cos, 0.99) == "3/64 rows below threshold: 15, 31, 47"
     assert rows_below(np.ones(8), 0.99) == "no row below threshold"
+    cos = np.ones(40)
+    cos[[3, 30, 31]] = 0.4
+    assert rows_below(cos, 0.99, prompt_len=24) == ("3/40 rows below threshold: 3, 30-31; 1 in the prompt "
+                                                    "(rows 0-23), 2 in the generated rows (24-39)")
 
 
 def test_unexplained_mismatch_says_where(tmp_path):

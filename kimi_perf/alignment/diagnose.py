@@ -142,7 +142,7 @@ def diagnose_layer(extracted: np.ndarray, layer: Layer, inference: HiddenStates,
     return cands
 
 
-def rows_below(cos: np.ndarray, threshold: float, *, max_runs: int = 4) -> str:
+def rows_below(cos: np.ndarray, threshold: float, *, max_runs: int = 4, prompt_len: int | None = None) -> str:
     """Where a layer fails, in token positions: ``"12/160 rows below threshold: 148-159 (the last 12)"``.
 
     Why: an unexplained mismatch is usually *positional* -- a capture that misses the last decode
@@ -162,7 +162,14 @@ def rows_below(cos: np.ndarray, threshold: float, *, max_runs: int = 4) -> str:
     more = f", ... ({len(runs)} runs)" if len(runs) > max_runs else ""
     tail = f" (the last {n - runs[-1][0]})" if len(runs) == 1 and runs[-1][1] == n - 1 and runs[-1][0] > 0 else ""
     head = " (from the first row)" if len(runs) == 1 and runs[0][0] == 0 and runs[0][1] < n - 1 else ""
-    return f"{bad.size}/{n} rows below threshold: {shown}{more}{tail}{head}"
+    split = ""
+    if prompt_len is not None and 0 < prompt_len < n:
+        # prompt rows come from one prefill, generated rows from decode (or verify) steps: which side the
+        # failures sit on separates a prefill/capture bug from a decode-path one (CUDA graphs, spec verify)
+        in_prompt = int((bad < prompt_len).sum())
+        split = (f"; {in_prompt} in the prompt (rows 0-{prompt_len - 1}), {bad.size - in_prompt} in the "
+                 f"generated rows ({prompt_len}-{n - 1})")
+    return f"{bad.size}/{n} rows below threshold: {shown}{more}{tail}{head}{split}"
 
 
 def check_alignment(
@@ -210,8 +217,9 @@ def check_alignment(
                 if q is not None:
                     v.cause = f"precision loss: extracted values are rounded to {q}"
                 else:
+                    prompt_len = inference.prompt_len if inference.prompt_len is not None else extracted.prompt_len
                     v.cause = ("unexplained mismatch (no neighbouring layer, norm or token shift matches better); "
-                               + rows_below(c.cos, threshold))
+                               + rows_below(c.cos, threshold, prompt_len=prompt_len))
                 v.message = f"layer {k}: {why}; {v.cause}"
             if not norm_ok and v.cause and "norm" not in v.cause and c.cos_min >= threshold:
                 v.cause = f"scale mismatch (norm ratio {c.norm_ratio_median:.3f}): {v.cause}"

@@ -284,7 +284,7 @@ def server_hidden_states(base_url: str, prompts: Sequence[Sequence[int]], max_ne
             "server-inference", version, dtype, (0, len(covered)),
             note="prefill block + incremental decode with KV cache" + (", batched" if concurrent else "")
             + f"; {plan.how}{trimmed}"),
-            output_ids=tuple(output)))
+            output_ids=tuple(output), prompt_len=len(ids)))
     return out
 
 
@@ -354,5 +354,6 @@ def vllm_hidden_states(base_url: str, model: str, prompts: Sequence[Sequence[int
                     os.remove(p)
         out.append(HiddenStates({k: hs[:, i, :] for i, k in enumerate(layers)}, toks,
                                 Provenance("vllm-extract_hidden_states", str(res.get("system_fingerprint")), "bfloat16",
-                                           (0, len(toks)), note="last layer is pre-final-norm in vLLM")))
+                                           (0, len(toks)), note="last layer is pre-final-norm in vLLM"),
+                                prompt_len=len(ids)))
     return out

@@ -44,6 +44,8 @@ class HiddenStates:
     token_ids: tuple[int, ...]  # input token at each covered position
     provenance: Provenance
     output_ids: tuple[int, ...] = field(default_factory=tuple)
+    # rows [0, prompt_len) are the prompt's, the rest fed-back generated tokens (None: not known)
+    prompt_len: int | None = None
 
     def get(self, layer: Layer) -> np.ndarray:
         if layer not in self.layers:
