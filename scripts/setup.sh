@@ -93,6 +93,11 @@ build_sglang() {
     starlette msgspec pydantic pyzmq tqdm ipython aiohttp triton
 }
 
+# The engine venvs start first and build while .venv does: pip is single-threaded (unpacking and
+# byte-compiling, not downloading, take most of its time), so one pip leaves the second core idle. With
+# --full from scratch on 2 cores (PyPI downloads never cached here): 124 s and 125 s this way (.venv
+# steps 113 s, .venv-vllm 124 s, .venv-sglang-parser 84-91 s side by side) against 226 s one after
+# the other (.venv 88, .venv-vllm 85, .venv-sglang-parser 51).
 if ((full)); then
   mkdir -p "$LOGS"
   if [ "${KIMI_PERF_SKIP_VLLM:-0}" = 1 ]; then skip .venv-vllm "KIMI_PERF_SKIP_VLLM=1"
@@ -105,7 +110,7 @@ if [ -x "$VENV/bin/python" ]; then skip venv "$VENV exists"
 else step venv "creating $VENV with $($PY --version)" "$PY" -m venv "$VENV"; fi
 if "$VENV/bin/python" -c "import torch" 2>/dev/null; then skip torch "$VENV has one"
 else step torch "installing $TORCH" "${PIP[@]}" "$TORCH"; fi
-# pip install -e re-resolves and rebuilds the editable wheel even when nothing changed, so the install
+# pip install -e re-resolves and rebuilds the editable wheel even when nothing changed (5 s), so the install
 # is keyed on this checkout and its pyproject.toml (where the dependencies are)
 stamp="$(pwd) $(sha256sum pyproject.toml | cut -c1-16)"
 if [ "$(cat "$VENV/.kimi-perf-installed" 2>/dev/null)" = "$stamp" ]; then
@@ -130,8 +135,8 @@ for i in "${!bg_pids[@]}"; do
   name=${bg_names[i]} log=$LOGS/${bg_names[i]#.}.log
   if wait_for "${bg_pids[i]}" "building $name" "${bg_starts[i]}" "$log"; then
     r=$(cat "${log%.log}.result")
-    if [[ $r == skipped* ]]; then say "$name: $r (log $log)"; else say "$name: done in $r (log $log)"; fi
-    timings+=("$name $r (background)")
+    if [[ $r == skipped* ]]; then say "$name: $r"; timings+=("$name skipped")
+    else say "$name: done in $r (log $log)"; timings+=("$name $r (background)"); fi
   else
     say "$name: FAILED (exit $?); last 30 lines of $log:"
     tail -n 30 "$log" | sed 's/^/    /'
