@@ -33,6 +33,9 @@ PY=${PYTHON:-python3}
 VENV=${KIMI_PERF_VENV:-.venv}
 TORCH=torch==${KIMI_PERF_TORCH:-2.13.0}
 LOGS=.setup-logs
+# pip byte-compiles what it installs (13 of torch's 19 s). --no-compile cut --full from 124 s to 80 s,
+# but then imports compile instead, each time where PYTHONDONTWRITEBYTECODE=1 (import vllm 14 s, not 8):
+# every server launch and test run would pay, and server_ready_s would measure it
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 say() { printf '[setup %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 timings=() bg_pids=() bg_names=() bg_starts=()
