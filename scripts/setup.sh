@@ -49,7 +49,7 @@ trap 'for p in $(jobs -p); do pkill -P "$p"; kill "$p"; done 2>/dev/null || true
 wait_for() {
   local next=$(($3 + 10))
   while kill -0 "$1" 2>/dev/null; do
-    if ((SECONDS >= next)); then say "still $2 ($((SECONDS - $3))s${4:+, log $4})"; next=$((next + 10)); fi
+    if ((SECONDS >= next)); then say "still $2 ($((SECONDS - $3))s${4:+, log $4})"; next=$((SECONDS + 10)); fi
     sleep 0.5
   done
   wait "$1"
@@ -98,9 +98,9 @@ build_sglang() {
 
 # The engine venvs start first and build while .venv does: pip is single-threaded (unpacking and
 # byte-compiling, not downloading, take most of its time), so one pip leaves the second core idle. With
-# --full from scratch on 2 cores (PyPI downloads never cached here): 124 s and 125 s this way (.venv
-# steps 113 s, .venv-vllm 124 s, .venv-sglang-parser 84-91 s side by side) against 226 s one after
-# the other (.venv 88, .venv-vllm 85, .venv-sglang-parser 51).
+# --full from scratch on 2 cores (PyPI downloads never cached here): 119, 124 and 125 s this way (.venv
+# steps 118-125 s, .venv-vllm 119-125 s, .venv-sglang-parser 83-91 s side by side) against 226 s one
+# after the other (.venv 88, .venv-vllm 85, .venv-sglang-parser 51).
 if ((full)); then
   mkdir -p "$LOGS"
   if [ "${KIMI_PERF_SKIP_VLLM:-0}" = 1 ]; then skip .venv-vllm "KIMI_PERF_SKIP_VLLM=1"
