@@ -65,7 +65,11 @@ def add_options(parser: pytest.Parser) -> None:
     g.addoption("--perf-allow-remote-bind", action="store_true", default=False,
                 help="let a profile's engine bind a non-loopback host (default: every server binds 127.0.0.1)")
     g.addoption("--perf-drafter", default=None, metavar="PATH",
-                help="use this EAGLE-3 drafter checkpoint instead of training one")
+                help="use this EAGLE-3 drafter checkpoint instead of the profile's recipe")
+    g.addoption("--perf-train-drafter", action="store_true", default=False,
+                help="train the profile's EAGLE-3 drafter recipe through the cached pipeline even when a drafter "
+                     "shipped with kimi-perf matches it (recipe digests, target fingerprint, file hashes); CI "
+                     "passes it so training stays tested. Without it a matching shipped drafter is served")
     g.addoption("--perf-vllm-python", default=None, metavar="PATH",
                 help="python interpreter of the environment that has vLLM (env KIMI_PERF_VLLM_PYTHON; default "
                      ".venv-vllm/bin/python when scripts/setup.sh --full made it)")

@@ -39,6 +39,7 @@ class PerfSession:
     drafter_path: str | None
     engine_pythons: dict[str, str]
     allow_remote_bind: bool = False
+    train_drafter: bool = False  # --perf-train-drafter: ignore a matching shipped drafter
     ab: ABBase | None = None  # --perf-ab: the base the ab-marked tests compare against
     history_path: Path | None = None  # baselines/history/<profile>.jsonl, None = off
     results: list[dict[str, Any]] = field(default_factory=list)
@@ -132,6 +133,7 @@ def _build_session(config: pytest.Config) -> PerfSession:
         model_override=config.getoption("--perf-model"), drafter_path=config.getoption("--perf-drafter"),
         engine_pythons={k: v for k, v in pythons.items() if v}, gpus=gpus,
         allow_remote_bind=bool(config.getoption("--perf-allow-remote-bind")), ab=ab, history_path=history_path,
+        train_drafter=bool(config.getoption("--perf-train-drafter")),
     )
 
 

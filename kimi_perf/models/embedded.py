@@ -200,7 +200,14 @@ def model_fingerprint(model_dir: Path) -> str:
         h.update(cfg.read_bytes())
     complete = model_dir / "COMPLETE"
     if complete.is_file():
-        h.update(complete.read_bytes())
+        # the conversion marker names the source GGUF by path and by hash: only the hash is the model's
+        # identity (the path differs per checkout, and a drafter shipped with the repo is keyed on this)
+        raw = complete.read_bytes()
+        try:
+            marker = json.loads(raw)
+        except ValueError:
+            marker = None
+        h.update(marker["sha256"].encode() if isinstance(marker, dict) and "sha256" in marker else raw)
     for f in sorted(model_dir.glob("*.safetensors")):
         h.update(f"{f.name}:{f.stat().st_size}".encode())
     return h.hexdigest()[:16]

@@ -1,0 +1,248 @@
+"""A drafter built by this project's own pipeline and shipped inside the package, so a fresh machine
+does not retrain one whose recipe and target did not change.
+
+Why: on a 2-core box the embedded-cpu recipe costs about 8.5 minutes (regenerating data ~205 s, features
+~65 s, training ~243 s) before the first EAGLE-3 figure, and every fresh clone paid it. The recipe is
+small (one decoder layer at hidden size 576, 12.6 MB in fp32), so the artifact ships with the code.
+
+It is trusted only where it is what the recipe makes. Its ``MANIFEST.json`` names the target's
+fingerprint (:func:`kimi_perf.models.embedded.model_fingerprint`, which hashes the model's config and
+the source GGUF's sha256), the recipe's digests (data, generation, features, train: the keys the cached
+pipeline uses) and the sha256 of every file:
+
+* a recipe or target that differs -> the bundle does not apply; the fixture says so and trains
+  (``tests/test_shipped_drafter.py`` fails until the bundle is re-exported, so the main job stays fast);
+* a file whose hash differs from the manifest -> :class:`ShippedDrafterError`, never served (a corrupt
+  checkout or a hand edit must not be measured as "the drafter");
+* ``--perf-train-drafter`` ignores the bundle and runs the pipeline (CI passes it, so training stays
+  tested end to end on every merge).
+
+The bundle carries the held-out samples the pipeline generated (prompt and response ids), so acceptance
+is measured on the same held-out prompts as a trained drafter's; their training-style features are
+re-extracted on first use (seconds: 12 samples through transformers) for the stored-features alignment
+test. Re-export after retraining: ``python -m kimi_perf.eagle3.shipped export --profile embedded-cpu``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..atomic import atomic_write_json
+from ..models.embedded import cache_root, file_lock
+from ..progress import log
+
+__all__ = ["SHIPPED_ROOT", "ShippedDrafter", "ShippedDrafterError", "export", "find_shipped", "install",
+           "recipe_key"]
+
+SHIPPED_ROOT = Path(__file__).resolve().parent / "shipped"
+FORMAT = "kimi-perf-shipped-drafter/1"
+DRAFTER_FILES = ("config.json", "model.safetensors", "report.json")
+HELDOUT_FILE = "heldout_samples.jsonl"
+
+
+class ShippedDrafterError(RuntimeError):
+    """A shipped bundle that must not be served (hash mismatch, missing file, bad manifest)."""
+
+
+@dataclass(frozen=True)
+class ShippedDrafter:
+    root: Path
+    manifest: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return self.root.name
+
+
+def recipe_key(recipe: Any) -> dict[str, str]:
+    """The digests the cached pipeline keys its stages by (kimi_perf.eagle3.pipeline.build_drafter)."""
+    return {"data": recipe.data.digest(), "generation": recipe.data.generation_digest(),
+            "features": recipe.features.digest(), "train": recipe.train.digest()}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _manifests(root: Path) -> list[tuple[Path, dict[str, Any]]]:
+    out = []
+    for m in sorted(root.glob("*/MANIFEST.json")):
+        try:
+            d = json.loads(m.read_text())
+        except ValueError as ex:
+            raise ShippedDrafterError(f"{m}: not JSON ({ex}); re-export the bundle") from None
+        if d.get("format") != FORMAT:
+            raise ShippedDrafterError(f"{m}: format {d.get('format')!r}, expected {FORMAT}; re-export the bundle")
+        out.append((m.parent, d))
+    return out
+
+
+def verify(bundle: ShippedDrafter) -> None:
+    """Every file of the manifest is there with its sha256, and nothing the drafter needs is missing."""
+    files = dict(bundle.manifest.get("files", {}))
+    need = {*(f"drafter/{f}" for f in DRAFTER_FILES), HELDOUT_FILE}
+    if need - set(files):
+        raise ShippedDrafterError(f"shipped drafter {bundle.root}: manifest lists no {sorted(need - set(files))}; "
+                                  "re-export it (python -m kimi_perf.eagle3.shipped export)")
+    for rel, want in files.items():
+        p = bundle.root / rel
+        if not p.is_file():
+            raise ShippedDrafterError(f"shipped drafter {bundle.root}: {rel} is missing (a partial checkout? a Git "
+                                      "LFS pointer?); restore it or pass --perf-train-drafter")
+        got = _sha256(p)
+        if got != want:
+            raise ShippedDrafterError(f"shipped drafter {bundle.root}: {rel} has sha256 {got[:16]}..., its manifest "
+                                      f"says {want[:16]}...: the file is not the one the recipe built. Restore it "
+                                      "(git checkout), re-export it, or pass --perf-train-drafter")
+
+
+def find_shipped(recipe: Any, target_fingerprint: str, root: Path = SHIPPED_ROOT) -> tuple[ShippedDrafter | None, str]:
+    """The verified bundle built by ``recipe`` on this target, or None with the reason none applies."""
+    want = recipe_key(recipe)
+    seen = []
+    for path, m in _manifests(root):
+        if m.get("target_fingerprint") == target_fingerprint and m.get("recipe_key") == want:
+            b = ShippedDrafter(path, m)
+            verify(b)
+            return b, f"shipped drafter {path.name} (built {m.get('built', {}).get('created', '?')})"
+        seen.append(f"{path.name} (target {m.get('target_fingerprint')}, recipe {m.get('recipe_key')})")
+    return None, (f"no shipped drafter matches target {target_fingerprint} and recipe {want} "
+                  f"(shipped: {'; '.join(seen) or 'none'})")
+
+
+def install(bundle: ShippedDrafter, recipe: Any, target_dir: Path, target_fingerprint: str, *,
+            root: Path | None = None) -> Any:
+    """Unpack ``bundle`` into the cache (once) and return it as the pipeline's DrafterArtifact."""
+    from .data import read_samples
+    from .features import extract_features
+    from .pipeline import DrafterArtifact
+
+    base = (root or cache_root()) / "eagle3" / target_fingerprint / f"shipped-{bundle.name}"
+    out = base / "drafter"
+    samples_path = base / "samples.jsonl"
+    feat_dir = base / f"features-{recipe.features.digest()}"
+    with file_lock(base.parent / ".pipeline.lock", what="installing the shipped EAGLE-3 drafter"):
+        if not (out / "COMPLETE").is_file():
+            out.mkdir(parents=True, exist_ok=True)
+            for f in DRAFTER_FILES:
+                shutil.copyfile(bundle.root / "drafter" / f, out / f)
+            shutil.copyfile(bundle.root / HELDOUT_FILE, samples_path)
+            (out / "COMPLETE").write_text("shipped\n")
+        report = json.loads((out / "report.json").read_text())
+        samples = list(read_samples(samples_path).values())
+        if not (feat_dir / "COMPLETE").is_file():
+            log(f"drafter: extracting training-style features of the {len(samples)} shipped held-out samples "
+                f"(for the stored-features alignment test) into {feat_dir}")
+            extract_features(samples, target_dir, feat_dir, recipe.features, model_fingerprint=target_fingerprint,
+                             max_len=recipe.train.max_seq_len)
+            (feat_dir / "COMPLETE").write_text("ok\n")
+    report = {**report, "shipped": {"bundle": bundle.name, **bundle.manifest.get("built", {})}}
+    data = report.get("data", {})
+    return DrafterArtifact(out, feat_dir, samples_path, tuple(data.get("train_ids", ())),
+                           tuple(data.get("heldout_ids", ())), report)
+
+
+def export(drafter_dir: Path, samples_path: Path, recipe: Any, target_fingerprint: str, *,
+           out_root: Path = SHIPPED_ROOT, commit: str | None = None) -> Path:
+    """Write a bundle from a drafter the pipeline built (its report must name ``recipe``)."""
+    from .data import read_samples
+    from .pipeline import _jsonable
+
+    drafter_dir, samples_path = Path(drafter_dir), Path(samples_path)
+    if not (drafter_dir / "COMPLETE").is_file():
+        raise ShippedDrafterError(f"{drafter_dir}: not a finished pipeline drafter (no COMPLETE)")
+    report = json.loads((drafter_dir / "report.json").read_text())
+    if report.get("recipe") != _jsonable(recipe):
+        raise ShippedDrafterError(f"{drafter_dir} was trained by another recipe than the profile's: "
+                                  f"{report.get('recipe')} vs {_jsonable(recipe)}")
+    held = set(report["data"]["heldout_ids"])
+    samples = [s for sid, s in read_samples(samples_path).items() if sid in held]
+    if len(samples) != len(held):
+        raise ShippedDrafterError(f"{samples_path}: has {len(samples)} of the drafter's {len(held)} held-out samples")
+    key = recipe_key(recipe)
+    name = f"{target_fingerprint}-{key['data']}-{key['features']}-{key['train']}"
+    dest = out_root / name
+    tmp = out_root / f".{name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "drafter").mkdir(parents=True)
+    shutil.copyfile(drafter_dir / "config.json", tmp / "drafter" / "config.json")
+    shutil.copyfile(drafter_dir / "model.safetensors", tmp / "drafter" / "model.safetensors")
+    # the report's feature directory is a path on the machine that trained it: keep the facts, not the path
+    rep = {**report, "features": {k: v for k, v in report.get("features", {}).items() if k != "dir"}}
+    (tmp / "drafter" / "report.json").write_text(json.dumps(rep, indent=1, sort_keys=True) + "\n")
+    with (tmp / HELDOUT_FILE).open("w") as f:
+        for s in sorted(samples, key=lambda s: s.id):
+            f.write(json.dumps(asdict(s), sort_keys=True) + "\n")
+    files = {rel: _sha256(tmp / rel) for rel in (*(f"drafter/{f}" for f in DRAFTER_FILES), HELDOUT_FILE)}
+    atomic_write_json(tmp / "MANIFEST.json", {
+        "format": FORMAT, "target_fingerprint": target_fingerprint, "recipe_key": key, "recipe": _jsonable(recipe),
+        "files": files,
+        "built": {"created": report.get("created"), "exported_at_commit": commit,
+                  "train": {k: report.get("train", {}).get(k) for k in ("steps", "tokens", "seconds", "final_step_acc")},
+                  "data": {k: report.get("data", {}).get(k) for k in ("samples", "train", "heldout", "train_tokens",
+                                                                        "samples_digest")}},
+    })
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest
+
+
+def _profile_recipe(name: str) -> tuple[Any, Any]:
+    from ..profiles import find_profile, load_profile
+    from .pipeline import DrafterRecipe
+
+    roots = [Path.cwd() / "profiles", Path(__file__).resolve().parents[2] / "profiles"]
+    prof = load_profile(find_profile(name, roots))
+    if "recipe" not in prof.eagle3:
+        raise SystemExit(f"profile {prof.name} has no eagle3.recipe")
+    return prof, DrafterRecipe.from_dict(prof.eagle3["recipe"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..machine import commit_info
+    from ..models.embedded import ensure_embedded_model, model_fingerprint
+
+    ap = argparse.ArgumentParser(prog="python -m kimi_perf.eagle3.shipped", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    ex = sub.add_parser("export", help="bundle a drafter the pipeline built for a profile's recipe")
+    ex.add_argument("--profile", default="embedded-cpu")
+    ex.add_argument("--drafter-dir", type=Path, default=None,
+                    help="the pipeline's drafter directory (default: where build_drafter caches this recipe)")
+    ck = sub.add_parser("check", help="say whether a shipped drafter applies to a profile's recipe on this target")
+    ck.add_argument("--profile", default="embedded-cpu")
+    a = ap.parse_args(argv)
+    prof, recipe = _profile_recipe(a.profile)
+    if prof.model.source != "embedded":
+        raise SystemExit(f"profile {prof.name}: only the embedded model ships a drafter")
+    model = ensure_embedded_model()
+    fp = model_fingerprint(model.path)
+    if a.cmd == "check":
+        try:
+            b, why = find_shipped(recipe, fp)
+        except ShippedDrafterError as e:
+            print(f"error: {e}")
+            return 1
+        print(why)
+        return 0 if b else 1
+    key = recipe_key(recipe)
+    d = a.drafter_dir or (cache_root() / "eagle3" / fp / f"gen-{key['generation']}" / f"features-{key['features']}"
+                          / f"drafter-{key['data']}-{key['train']}" / "drafter")
+    samples = d.parent.parent.parent / "samples.jsonl"
+    dest = export(d, samples, recipe, fp, commit=commit_info().get("id"))
+    print(f"exported {dest} ({sum(f.stat().st_size for f in dest.rglob('*') if f.is_file()) / 1e6:.1f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

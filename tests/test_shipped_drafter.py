@@ -1,0 +1,112 @@
+"""The drafter shipped with kimi-perf: it applies to the embedded-cpu recipe as it is now, a file that is
+not the one the recipe built is refused, and an installed bundle gives the fixture what a trained one does.
+
+The first test is the tripwire for "the main job retrains on every fresh machine again": change the
+embedded-cpu recipe (or the target) without re-exporting, and it fails with the command that fixes it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kimi_perf.eagle3.shipped import SHIPPED_ROOT, ShippedDrafterError, find_shipped, install
+from kimi_perf.models.embedded import model_fingerprint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _recipe():
+    from kimi_perf.eagle3.pipeline import DrafterRecipe
+
+    prof = json.loads((ROOT / "profiles" / "embedded-cpu.json").read_text())
+    return DrafterRecipe.from_dict(prof["eagle3"]["recipe"])
+
+
+def _target() -> tuple[Path, str]:
+    from engine_helpers import embedded_path
+
+    p = embedded_path()
+    return p, model_fingerprint(p)
+
+
+def test_a_shipped_drafter_matches_the_embedded_cpu_recipe_and_target():
+    _, fp = _target()
+    bundle, why = find_shipped(_recipe(), fp)
+    assert bundle is not None, (f"{why}. The main job would retrain the drafter (~8.5 min on 2 cores). Fix: train it "
+                                "(pytest -m eagle --perf-train-drafter) and run python -m kimi_perf.eagle3.shipped "
+                                "export, then commit kimi_perf/eagle3/shipped/ (and remove the stale bundle)")
+    size = sum(f.stat().st_size for f in bundle.root.rglob("*") if f.is_file())
+    assert size < 20e6, f"shipped drafter is {size / 1e6:.1f} MB; keep bundles small (one layer at hidden 576)"
+
+
+def test_a_changed_recipe_finds_no_shipped_drafter_and_says_why():
+    _, fp = _target()
+    r = _recipe()
+    changed = replace(r, train=replace(r.train, epochs=r.train.epochs + 1))
+    bundle, why = find_shipped(changed, fp)
+    assert bundle is None
+    assert "no shipped drafter matches" in why and changed.train.digest() in why
+    assert find_shipped(r, "0" * 16)[0] is None
+
+
+def test_a_tampered_file_is_refused_with_the_file_named(tmp_path):
+    _, fp = _target()
+    src, _ = find_shipped(_recipe(), fp)
+    assert src is not None
+    root = tmp_path / "shipped"
+    shutil.copytree(src.root, root / src.root.name)
+    f = root / src.root.name / "drafter" / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    with pytest.raises(ShippedDrafterError, match="model.safetensors has sha256"):
+        find_shipped(_recipe(), fp, root=root)
+    f.unlink()
+    with pytest.raises(ShippedDrafterError, match="model.safetensors is missing"):
+        find_shipped(_recipe(), fp, root=root)
+
+
+def test_the_fingerprint_ignores_where_the_gguf_was_installed(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, where in ((a, "/one/venv"), (b, "/another/checkout/.venv")):
+        d.mkdir()
+        (d / "config.json").write_text('{"hidden_size": 576}')
+        (d / "COMPLETE").write_text(json.dumps({"gguf": f"{where}/m.gguf", "sha256": "ab" * 32}))
+        (d / "model.safetensors").write_bytes(b"x" * 10)
+    assert model_fingerprint(a) == model_fingerprint(b)
+    (b / "COMPLETE").write_text(json.dumps({"gguf": "/one/venv/m.gguf", "sha256": "cd" * 32}))
+    assert model_fingerprint(a) != model_fingerprint(b)
+
+
+@pytest.mark.slow
+def test_an_installed_bundle_gives_held_out_prompts_and_their_stored_features(tmp_path):
+    from transformers import AutoTokenizer
+
+    from kimi_perf.eagle3.features import FeatureStore
+    from kimi_perf.eagle3.pipeline import heldout_prompts
+
+    path, fp = _target()
+    recipe = _recipe()
+    bundle, _ = find_shipped(recipe, fp)
+    assert bundle is not None
+    art = install(bundle, recipe, path, fp, root=tmp_path)
+    assert (art.path / "COMPLETE").is_file() and art.path.is_relative_to(tmp_path)
+    assert json.loads((art.path / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    prompts = heldout_prompts(art.samples_path, art.heldout_ids)
+    assert len(prompts) == recipe.data.max_heldout_items
+    tok = AutoTokenizer.from_pretrained(str(path))
+    assert "<|im_start|>user" in tok.decode(prompts[0])
+    store = FeatureStore(art.feature_dir)
+    assert set(store.sample_ids) == set(art.heldout_ids)
+    assert store.layers == tuple(art.report["features"]["layers"])
+    assert art.report["shipped"]["bundle"] == bundle.name
+    # a second install reuses what the first unpacked and extracted
+    again = install(bundle, recipe, path, fp, root=tmp_path)
+    assert again.feature_dir == art.feature_dir and (art.feature_dir / "COMPLETE").is_file()
+    assert not set(art.heldout_ids) & set(art.train_ids)
+    assert SHIPPED_ROOT in bundle.root.parents
