@@ -392,3 +392,18 @@ def test_missing_piece_skips_but_fails_under_ci_or_an_explicit_profile(monkeypat
     monkeypatch.setenv("KIMI_PERF_SKIP_SGLANG", "1")  # the README's explicit opt-out keeps it a skip
     with pytest.raises(pytest.skip.Exception, match=r"KIMI_PERF_SKIP_SGLANG=1"):
         missing(session(explicit=True), "engine sglang needs its own environment", engine_kind="sglang")
+
+
+def test_a_missing_engine_environment_for_a_server_follows_the_same_policy(monkeypatch):
+    """engine_config (every server of every test) asks kimi_perf.missing like the EAGLE-3 fixtures do: a
+    skip on a laptop, a failure under CI=true, unless KIMI_PERF_SKIP_<KIND>=1."""
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv("KIMI_PERF_SKIP_VLLM", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="scripts/setup.sh --full makes .venv-vllm"):
+        engine_config(session(pythons={}), "vllm", TARGET)
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="a failure, not a skip: CI=true"):
+        engine_config(session(pythons={}), "vllm", TARGET)
+    monkeypatch.setenv("KIMI_PERF_SKIP_VLLM", "1")
+    with pytest.raises(pytest.skip.Exception, match="KIMI_PERF_SKIP_VLLM=1"):
+        engine_config(session(pythons={}), "vllm", TARGET)
