@@ -42,3 +42,16 @@ def test_bad_arguments_exit_2_with_usage(args: list[str]) -> None:
     assert "unknown argument" in r.stderr
     assert "usage: scripts/setup.sh" in r.stderr
     assert "[setup" not in r.stdout + r.stderr
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    """The README's second command is what .ci/run runs (its setup and its pytest arguments), so the
+    newcomer's test command and CI cannot drift apart; the first is the main job on the default scope."""
+    root = SCRIPT.parent.parent
+    cmds = [ln.strip() for ln in (root / "README.md").read_text().splitlines()[:20] if ln.startswith("    ")]
+    main_job, tests = cmds[0], cmds[1]
+    assert main_job == "./scripts/setup.sh && .venv/bin/python -m pytest -m perf"
+    setup, _, pytest_cmd = tests.partition(" && ")
+    ci = (root / ".ci" / "run").read_text()
+    assert f"\n{setup}\n" in ci, f".ci/run does not run the README's setup {setup!r}"
+    assert f"\n{pytest_cmd} " in ci, f".ci/run does not run the README's test command {pytest_cmd!r}"
