@@ -62,3 +62,26 @@ def test_end_to_end_client_rate_against_fast_sse_source(tmp_path):
     print(f"\nend-to-end: {m['output_throughput']:,.0f} tok/s wall, {cpu_rate:,.0f} tok/s per client CPU-second, "
           f"{m['client_cpu_us_per_chunk']:.1f} us client CPU per chunk (cores: {os.cpu_count()})")
     assert cpu_rate >= 20_000
+
+
+def test_a_long_repeat_prints_a_progress_line_every_heartbeat(tmp_path, monkeypatch):
+    """No silent minutes: a repeat longer than the heartbeat says how far it got (phase, requests done)."""
+    from kimi_perf import progress
+    from kimi_perf.load import client
+
+    monkeypatch.setattr(client, "HEARTBEAT_S", 0.1)
+    lines: list[str] = []
+    prev = progress.set_sink(lines.append)
+    fake = str(Path(__file__).with_name("fake_server.py"))
+    spec = LaunchSpec(name="paced", argv_for_port=lambda p: [sys.executable, fake, str(p), "paced"],
+                      log_dir=tmp_path, ready_timeout_s=20, env={"FAKE_TOKEN_MS": "5"})
+    try:
+        with ServerProcess(spec) as srv:
+            w = Workload(name="beat", input_len=1, output_len=60, num_prompts=3, concurrency=1, warmup=1)
+            res = run_workload(srv.base_url, "m", [[1], [1], [1]], w)
+    finally:
+        progress.set_sink(prev)
+    assert res.metrics["error_rate"] == 0
+    beats = [ln for ln in lines if "beat c=1:" in ln]
+    assert any("warm-up, 0/1 requests done" in ln for ln in beats), lines
+    assert any("measuring" in ln and "/3 requests done" in ln for ln in beats), lines

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..progress import log
 from .results import BenchResult, RequestRecord, compute_metrics
 from .sse import SSEParser
 from .workload import Workload
@@ -142,6 +143,20 @@ def _payload(model: str, prompt: Sequence[int], w: Workload) -> dict[str, Any]:
     }
 
 
+HEARTBEAT_S = 10.0
+
+
+async def _heartbeat(w: Workload, state: dict[str, Any], every: float = HEARTBEAT_S) -> None:
+    """A progress line every ``every`` seconds while a repeat runs (a CPU-box EAGLE-3 repeat takes ~20 s,
+    a vLLM-CPU warm-up longer): printed from the event loop, i.e. the main thread, where the plugin's
+    sink can suspend pytest's capture; one line per 10 s costs the client nothing measurable."""
+    t0 = time.monotonic()
+    while True:
+        await asyncio.sleep(every)
+        log(f"{w.name} c={w.concurrency}: {state['phase']}, {state['done']}/{state['n']} requests done "
+            f"({time.monotonic() - t0:.0f}s)")
+
+
 async def _run(base_url: str, model: str, prompts: Sequence[Sequence[int]], w: Workload,
                warmup_prompts: Sequence[Sequence[int]]) -> BenchResult:
     import aiohttp
@@ -149,12 +164,16 @@ async def _run(base_url: str, model: str, prompts: Sequence[Sequence[int]], w: W
     url = base_url.rstrip("/") + "/v1/completions"
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
+    state = {"phase": "warm-up", "done": 0, "n": len(warmup_prompts)}
+    beat = asyncio.create_task(_heartbeat(w, state, HEARTBEAT_S))
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         warm_errors = []
         for p in warmup_prompts:
             o = await stream_completion(session, url, _payload(model, p, w), timeout_s=w.request_timeout_s)
+            state["done"] += 1
             if not o.ok:
                 warm_errors.append(o.error)
+        state.update(phase="measuring", done=0, n=len(prompts))
         sem = asyncio.Semaphore(w.concurrency)
         outcomes: list[StreamOutcome | None] = [None] * len(prompts)
         interval = 0.0 if w.request_rate == float("inf") else 1.0 / w.request_rate
@@ -162,6 +181,7 @@ async def _run(base_url: str, model: str, prompts: Sequence[Sequence[int]], w: W
         async def one(i: int, p: Sequence[int]) -> None:
             async with sem:
                 outcomes[i] = await stream_completion(session, url, _payload(model, p, w), timeout_s=w.request_timeout_s)
+            state["done"] += 1
 
         cpu0 = time.process_time()
         t0 = time.perf_counter()
@@ -173,6 +193,7 @@ async def _run(base_url: str, model: str, prompts: Sequence[Sequence[int]], w: W
         await asyncio.gather(*tasks)
         t1 = time.perf_counter()
         cpu = time.process_time() - cpu0
+    beat.cancel()
     records = []
     for i, (o, p) in enumerate(zip(outcomes, prompts)):
         assert o is not None
