@@ -201,3 +201,37 @@ def test_unexplained_mismatch_says_where(tmp_path):
     b = HiddenStates(y, toks, Provenance("b", "1", "float32", (0, 40)))
     (v,) = check_alignment(a, b, [2], threshold=0.999, norm_ratio_tol=10.0).verdicts
     assert not v.ok and "unexplained mismatch" in v.cause and "35-39 (the last 5)" in v.cause, v.cause
+
+
+def test_a_mismatch_confined_to_generated_or_prompt_rows_is_named_by_its_side():
+    """The vLLM 0.26.0 H200 pattern (118 rows, prompt 87, the last 17 bad) is a decode-path capture fault;
+    prompt-only failures are the prefill side; failures on both sides stay unexplained."""
+    import dataclasses
+
+    import numpy as np
+
+    from kimi_perf.alignment.diagnose import check_alignment, positional_cause
+    from kimi_perf.alignment.extract import HiddenStates, Provenance
+
+    cos = np.ones(118)
+    cos[101:] = 0.45
+    assert positional_cause(cos, 0.99, 87).startswith("decode-path capture fault: every prompt row agrees, the last 17 generated rows")
+    cos = np.ones(118)
+    cos[[90, 95]] = 0.5
+    assert "2 of 31 generated rows do not" in positional_cause(cos, 0.99, 87)
+    cos = np.ones(118)
+    cos[:3] = 0.5
+    assert positional_cause(cos, 0.99, 87).startswith("prefill-path capture fault: 3 of 87 prompt rows")
+    cos[110] = 0.5
+    assert positional_cause(cos, 0.99, 87) is None
+    assert positional_cause(cos, 0.99, None) is None
+
+    rng = np.random.default_rng(1)
+    x = {2: rng.standard_normal((40, 16)).astype(np.float32)}
+    y = {2: x[2].copy()}
+    y[2][-6:] = rng.standard_normal((6, 16))
+    toks = tuple(range(40))
+    a = HiddenStates(x, toks, Provenance("hf", "1", "float32", (0, 40)))
+    b = dataclasses.replace(HiddenStates(y, toks, Provenance("vllm", "1", "float32", (0, 40))), prompt_len=30)
+    (v,) = check_alignment(a, b, [2], threshold=0.999, norm_ratio_tol=10.0).verdicts
+    assert v.cause.startswith("decode-path capture fault") and "34-39 (the last 6); 0 in the prompt" in v.cause, v.cause

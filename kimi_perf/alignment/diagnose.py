@@ -172,6 +172,32 @@ def rows_below(cos: np.ndarray, threshold: float, *, max_runs: int = 4, prompt_l
     return f"{bad.size}/{n} rows below threshold: {shown}{more}{tail}{head}{split}"
 
 
+def positional_cause(cos: np.ndarray, threshold: float, prompt_len: int | None) -> str | None:
+    """Name a mismatch by where its rows sit, when no transform of the values explains it.
+
+    Prompt rows come from one prefill, generated rows from decode steps. Failures confined to the
+    generated rows, with every prompt row agreeing, cannot be a layer, norm or indexing fault (those
+    move every row): the capture's decode side returned rows the model did not compute there -- on
+    vLLM 0.26.0's extract_hidden_states on an H200 the last 17 of 31 generated rows, the signature of a
+    copy read before it completed. Confined to the prompt rows, it is the prefill side (chunked
+    prefill, a prefix-cache hit that skipped rows)."""
+    bad = np.flatnonzero(cos < threshold)
+    n = int(cos.shape[0])
+    if bad.size == 0 or prompt_len is None or not 0 < prompt_len < n:
+        return None
+    tail = bad.size == n - int(bad[0]) and int(bad[-1]) == n - 1
+    if int(bad[0]) >= prompt_len:
+        return ("decode-path capture fault: every prompt row agrees, "
+                + (f"the last {bad.size} generated rows do not (the final decode steps' rows are not what the "
+                   "model computed, e.g. read before their copy completed)" if tail else
+                   f"{bad.size} of {n - prompt_len} generated rows do not (CUDA graphs, async scheduling or "
+                   "speculative verify in the capture's decode path)"))
+    if int(bad[-1]) < prompt_len:
+        return (f"prefill-path capture fault: {bad.size} of {prompt_len} prompt rows disagree while every "
+                "generated row agrees (chunked prefill or a prefix-cache hit in the capture)")
+    return None
+
+
 def check_alignment(
     extracted: HiddenStates,
     inference: HiddenStates,
@@ -218,8 +244,9 @@ def check_alignment(
                     v.cause = f"precision loss: extracted values are rounded to {q}"
                 else:
                     prompt_len = inference.prompt_len if inference.prompt_len is not None else extracted.prompt_len
-                    v.cause = ("unexplained mismatch (no neighbouring layer, norm or token shift matches better); "
-                               + rows_below(c.cos, threshold, prompt_len=prompt_len))
+                    where = rows_below(c.cos, threshold, prompt_len=prompt_len)
+                    v.cause = (f"{positional_cause(c.cos, threshold, prompt_len) or 'unexplained mismatch'} (no "
+                               f"neighbouring layer, norm or token shift matches better); {where}")
                 v.message = f"layer {k}: {why}; {v.cause}"
             if not norm_ok and v.cause and "norm" not in v.cause and c.cos_min >= threshold:
                 v.cause = f"scale mismatch (norm ratio {c.norm_ratio_median:.3f}): {v.cause}"
