@@ -123,6 +123,14 @@ def _alignment_problem(profile: Profile, key: BaselineKey) -> str | None:
         if m is None or m.group(1) not in ALIGNMENT_DTYPES:
             return f"workload {w!r} is not DTYPE:CAPTURE:layer-N"
         return None
+    if s == "alignment_sglang_planted_offset":
+        # test_sglang_planted_layer_offset_is_named: SGLang engines of alignment.engines, two captures
+        m = re.fullmatch(rf"(\w+):(planted-rule-applied|planted-as-drafter-reads):{_LAYER}", w)
+        if key.engine not in engines or profile.engines.get(key.engine, {}).get("kind") != "sglang":
+            return f"{s} runs on the SGLang engines of alignment.engines {list(engines)}, not {key.engine!r}"
+        if m is None or m.group(1) not in ALIGNMENT_DTYPES:
+            return f"workload {w!r} is not DTYPE:planted-rule-applied|planted-as-drafter-reads:layer-N"
+        return None
     return f"scenario {s!r} has no rule in kimi_perf/keys.py"
 
 
