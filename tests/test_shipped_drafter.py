@@ -39,7 +39,7 @@ def test_a_shipped_drafter_matches_the_embedded_cpu_recipe_and_target():
     bundle, why = find_shipped(_recipe(), fp)
     assert bundle is not None, (f"{why}. The main job would retrain the drafter (~8.5 min on 2 cores). Fix: train it "
                                 "(pytest -m eagle --perf-train-drafter) and run python -m kimi_perf.eagle3.shipped "
-                                "export, then commit kimi_perf/eagle3/shipped/ (and remove the stale bundle)")
+                                "export, then commit kimi_perf/eagle3/shipped_drafters/ (and remove the stale bundle)")
     size = sum(f.stat().st_size for f in bundle.root.rglob("*") if f.is_file())
     assert size < 20e6, f"shipped drafter is {size / 1e6:.1f} MB; keep bundles small (one layer at hidden 576)"
 

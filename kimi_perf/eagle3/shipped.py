@@ -41,7 +41,7 @@ from ..progress import log
 __all__ = ["SHIPPED_ROOT", "ShippedDrafter", "ShippedDrafterError", "export", "find_shipped", "install",
            "recipe_key"]
 
-SHIPPED_ROOT = Path(__file__).resolve().parent / "shipped"
+SHIPPED_ROOT = Path(__file__).resolve().parent / "shipped_drafters"
 FORMAT = "kimi-perf-shipped-drafter/1"
 DRAFTER_FILES = ("config.json", "model.safetensors", "report.json")
 HELDOUT_FILE = "heldout_samples.jsonl"
