@@ -198,15 +198,23 @@ def export(drafter_dir: Path, samples_path: Path, recipe: Any, target_fingerprin
     return dest
 
 
-def _profile_recipe(name: str) -> tuple[Any, Any]:
-    from ..profiles import find_profile, load_profile
+def _profile_recipe(name: str) -> tuple[dict[str, Any], Any]:
+    """The profile's JSON and its drafter recipe. Read as plain JSON on purpose: kimi_perf.profiles is
+    gate configuration, which the drafter pipeline does not import (the recipe is validated by
+    DrafterRecipe.from_dict, as the fixture does)."""
     from .pipeline import DrafterRecipe
 
-    roots = [Path.cwd() / "profiles", Path(__file__).resolve().parents[2] / "profiles"]
-    prof = load_profile(find_profile(name, roots))
-    if "recipe" not in prof.eagle3:
-        raise SystemExit(f"profile {prof.name} has no eagle3.recipe")
-    return prof, DrafterRecipe.from_dict(prof.eagle3["recipe"])
+    p = Path(name)
+    if not (p.suffix == ".json" or "/" in name):
+        roots = [Path.cwd() / "profiles", Path(__file__).resolve().parents[2] / "profiles"]
+        p = next((r / f"{name}.json" for r in roots if (r / f"{name}.json").is_file()), roots[0] / f"{name}.json")
+    if not p.is_file():
+        raise SystemExit(f"profile {name}: no such file {p}")
+    prof = json.loads(p.read_text())
+    recipe = (prof.get("eagle3") or {}).get("recipe")
+    if recipe is None:
+        raise SystemExit(f"profile {p}: no eagle3.recipe")
+    return prof, DrafterRecipe.from_dict(recipe)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ck.add_argument("--profile", default="embedded-cpu")
     a = ap.parse_args(argv)
     prof, recipe = _profile_recipe(a.profile)
-    if prof.model.source != "embedded":
-        raise SystemExit(f"profile {prof.name}: only the embedded model ships a drafter")
+    if (prof.get("model") or {}).get("source") != "embedded":
+        raise SystemExit(f"profile {a.profile}: only the embedded model ships a drafter")
     model = ensure_embedded_model()
     fp = model_fingerprint(model.path)
     if a.cmd == "check":
