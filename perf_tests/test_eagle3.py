@@ -144,7 +144,8 @@ def test_acceptance(eagle3_engine, eagle3_runs, eagle3_drafter, perf_gate, perf_
             log(f"eagle3 acceptance [{eng}]: {m} not gated: {why}")
             warnings.warn(PerfWarning(f"[{eng}] {m} not gated: {why}"), stacklevel=1)
     rep = eagle3_drafter.report
-    extra = {"drafter": str(eagle3_drafter.path), "train": rep.get("train"), "data": {
+    extra = {"drafter": str(eagle3_drafter.path), "train": rep.get("train"),
+             "shipped": rep.get("shipped") or rep.get("shipped_comparison"), "data": {
         k: v for k, v in (rep.get("data") or {}).items() if k not in ("train_ids", "heldout_ids")},
         "acceptance_source": sorted({r.source for r in spec}), "not_measured": not_measured,
         "acceptance_repeats": repeats, "acceptance_repeats_identical": {m: len(set(v)) == 1 for m, v in repeats.items()},

@@ -110,3 +110,22 @@ def test_an_installed_bundle_gives_held_out_prompts_and_their_stored_features(tm
     assert again.feature_dir == art.feature_dir and (art.feature_dir / "COMPLETE").is_file()
     assert not set(art.heldout_ids) & set(art.train_ids)
     assert SHIPPED_ROOT in bundle.root.parents
+
+
+def test_a_trained_drafter_is_compared_with_the_shipped_one_file_by_file(tmp_path):
+    """CI trains the recipe (--perf-train-drafter); the fixture then says whether the result is the shipped
+    artifact byte for byte (it was, on the box that exported it) or not (reported, never failed)."""
+    from kimi_perf.eagle3.shipped import compare_with_shipped
+
+    _, fp = _target()
+    bundle, _ = find_shipped(_recipe(), fp)
+    assert bundle is not None
+    d = tmp_path / "drafter"
+    shutil.copytree(bundle.root / "drafter", d)
+    assert compare_with_shipped(bundle, d) == {"bundle": bundle.name, "config.json": "identical",
+                                               "model.safetensors": "identical", "identical": True}
+    raw = bytearray((d / "model.safetensors").read_bytes())
+    raw[-1] ^= 0x01
+    (d / "model.safetensors").write_bytes(bytes(raw))
+    got = compare_with_shipped(bundle, d)
+    assert got["model.safetensors"] == "differs" and got["config.json"] == "identical" and not got["identical"]
