@@ -6,6 +6,7 @@ own and the session builder can resolve an option without importing the hook mod
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -95,3 +96,39 @@ def add_options(parser: pytest.Parser) -> None:
 def _opt(config: pytest.Config, name: str) -> Any:
     v = config.getoption("--" + name.replace("_", "-"))
     return v if v is not None else config.getini(name)
+
+
+def check_rootdir(config: pytest.Config) -> None:
+    """Refuse a run whose rootdir pytest took from a ``--perf-*`` option's value.
+
+    Why: pytest finds its rootdir and ini file before it loads plugins from entry points, so in
+    ``--perf-report-dir /tmp/out`` the value looks like a test path; when it exists outside the
+    repository, pytest roots the run at it (or at a common ancestor) and reads no
+    ``[tool.pytest.ini_options]``: no markers, no ``--strict-markers``, and ``baselines/`` resolved under
+    the wrong directory (a gate with no baselines, every verdict NEW). ``--perf-report-dir=/tmp/out`` (one
+    token) is parsed after the plugin loads. Only refused where the invocation directory has a pytest
+    configuration that was missed, so a repository without one is not bothered."""
+    if config.inipath is not None or _pytest_config_above(config.invocation_params.dir) is None:
+        return
+    args = [str(a) for a in config.invocation_params.args]
+    for opt, val in zip(args, args[1:]):
+        if not opt.startswith("--perf-") or "=" in opt or val.startswith("-"):
+            continue
+        p = (config.invocation_params.dir / val).resolve()
+        if p.exists() and p.is_relative_to(config.rootpath):
+            raise pytest.UsageError(
+                f"pytest took the value of {opt} ({val}) for a test path and made {config.rootpath} its rootdir, "
+                f"so it read no pytest configuration (markers, addopts, the perf_* ini defaults; this directory "
+                f"has {_pytest_config_above(config.invocation_params.dir)}). Fix: write {opt}={val} as one "
+                "argument, or pass --rootdir=. (or -c pyproject.toml)")
+
+
+def _pytest_config_above(start: Path) -> Path | None:
+    """The pytest configuration file pytest would have found from ``start`` upwards, if any."""
+    for d in (start, *start.parents):
+        if (d / "pytest.ini").is_file():
+            return d / "pytest.ini"
+        pp = d / "pyproject.toml"
+        if pp.is_file() and "[tool.pytest.ini_options]" in pp.read_text(errors="replace"):
+            return pp
+    return None

@@ -38,7 +38,16 @@ from pathlib import Path
 import pytest
 
 from .collector import PerfCollector
-from .options import _DEFAULT, _INI, DEFAULT_ENGINES_HELP, MARKERS, _ini_help, _opt, add_options
+from .options import (
+    _DEFAULT,
+    _INI,
+    DEFAULT_ENGINES_HELP,
+    MARKERS,
+    _ini_help,
+    _opt,
+    add_options,
+    check_rootdir,
+)
 from .recorder import PROP, PerfGate, PerfRegression, PerfWarning, _finite
 from .session import (
     _PARAM_FIXTURES,
@@ -79,6 +88,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"{name}: {desc}")
     if config.option.help or config.option.version:
         return  # --help must work even where the default profile does not exist
+    check_rootdir(config)
     # nothing is loaded here: the session is built by activate() when a selected test needs it
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(PerfCollector(config), "kimi-perf-collector")

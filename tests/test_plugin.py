@@ -251,3 +251,22 @@ def test_entry_point_registers_once_beside_the_conftest_listing(pytester):
         r = pytester.runpytest_subprocess("--fixtures", *args)  # collects, needs no profile
         assert r.ret == 0, r.stderr.str()
         r.stdout.fnmatch_lines(["*perf_gate*"])
+
+
+def test_an_option_value_taken_for_the_rootdir_is_refused_with_the_fix(tmp_path):
+    """pytest picks its rootdir before the plugin's options exist, so ``--perf-report-dir /elsewhere`` (two
+    tokens, an existing directory outside the repository, no test path) rooted the run there with no ini:
+    no markers, no baselines. The plugin refuses that run and names the one-token form."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "reports"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "perf"]
+    r = subprocess.run([*cmd, "--perf-report-dir", str(out)], cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert f"write --perf-report-dir={out} as one argument" in r.stderr
+    ok = subprocess.run([*cmd, f"--perf-report-dir={out}"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
