@@ -26,7 +26,6 @@ test. Re-export after retraining: ``python -m kimi_perf.eagle3.shipped export --
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shutil
 import sys
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_write_json
-from ..models.embedded import cache_root, file_lock
+from ..models.embedded import cache_root, file_lock, file_sha256
 from ..progress import log
 
 __all__ = ["SHIPPED_ROOT", "ShippedDrafter", "ShippedDrafterError", "compare_with_shipped", "export", "find_shipped",
@@ -67,14 +66,6 @@ def recipe_key(recipe: Any) -> dict[str, str]:
             "features": recipe.features.digest(), "train": recipe.train.digest()}
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _manifests(root: Path) -> list[tuple[Path, dict[str, Any]]]:
     out = []
     for m in sorted(root.glob("*/MANIFEST.json")):
@@ -100,7 +91,7 @@ def verify(bundle: ShippedDrafter) -> None:
         if not p.is_file():
             raise ShippedDrafterError(f"shipped drafter {bundle.root}: {rel} is missing (a partial checkout? a Git "
                                       "LFS pointer?); restore it or pass --perf-train-drafter")
-        got = _sha256(p)
+        got = file_sha256(p)
         if got != want:
             raise ShippedDrafterError(f"shipped drafter {bundle.root}: {rel} has sha256 {got[:16]}..., its manifest "
                                       f"says {want[:16]}...: the file is not the one the recipe built. Restore it "
@@ -164,7 +155,7 @@ def compare_with_shipped(bundle: ShippedDrafter, drafter_dir: Path) -> dict[str,
     out: dict[str, Any] = {"bundle": bundle.name}
     for f in ("config.json", "model.safetensors"):
         p = Path(drafter_dir) / f
-        out[f] = "identical" if p.is_file() and _sha256(p) == files.get(f"drafter/{f}") else "differs"
+        out[f] = "identical" if p.is_file() and file_sha256(p) == files.get(f"drafter/{f}") else "differs"
     out["identical"] = all(out[f] == "identical" for f in ("config.json", "model.safetensors"))
     return out
 
@@ -200,7 +191,7 @@ def export(drafter_dir: Path, samples_path: Path, recipe: Any, target_fingerprin
     with (tmp / HELDOUT_FILE).open("w") as f:
         for s in sorted(samples, key=lambda s: s.id):
             f.write(json.dumps(asdict(s), sort_keys=True) + "\n")
-    files = {rel: _sha256(tmp / rel) for rel in (*(f"drafter/{f}" for f in DRAFTER_FILES), HELDOUT_FILE)}
+    files = {rel: file_sha256(tmp / rel) for rel in (*(f"drafter/{f}" for f in DRAFTER_FILES), HELDOUT_FILE)}
     atomic_write_json(tmp / "MANIFEST.json", {
         "format": FORMAT, "target_fingerprint": target_fingerprint, "recipe_key": key, "recipe": _jsonable(recipe),
         "files": files,

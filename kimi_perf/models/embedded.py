@@ -72,7 +72,8 @@ def find_gguf() -> Path:
     return path
 
 
-def _sha256(path: Path, chunk: int = 1 << 22) -> str:
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file, read in chunks (the GGUF here, the shipped drafter's files in eagle3.shipped)."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         while True:
@@ -92,7 +93,7 @@ def _hash_cached(path: Path) -> str:
     memo = memo_dir / key
     if memo.is_file():
         return memo.read_text().strip()
-    digest = _sha256(path)
+    digest = file_sha256(path)
     memo.write_text(digest)
     return digest
 
