@@ -29,7 +29,7 @@ from .model import save_drafter
 from .train import TrainConfig, TrainResult, train_drafter
 from .vocab import build_vocab_maps, count_tokens
 
-__all__ = ["DrafterArtifact", "DrafterRecipe", "build_drafter", "load_target_tensors"]
+__all__ = ["DrafterArtifact", "DrafterRecipe", "build_drafter", "cache_dirs", "load_target_tensors"]
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,18 @@ def load_target_norm(model_dir: Path) -> torch.Tensor | None:
     return None
 
 
+def cache_dirs(recipe: DrafterRecipe, target_fingerprint: str, root: Path | None = None) -> tuple[Path, Path, Path]:
+    """(samples dir, features dir, drafter work dir) of ``recipe`` under ``<root>/eagle3/<target>/``.
+
+    Samples and features are shared by every selection with the same generation settings / spec; the
+    drafter is specific to the selection and the training config. The one place the layout lives
+    (build_drafter and ``python -m kimi_perf.eagle3.shipped export`` read it)."""
+    base = (root or cache_root()) / "eagle3" / target_fingerprint
+    data_dir = base / f"gen-{recipe.data.generation_digest()}"
+    feat_dir = data_dir / f"features-{recipe.features.digest()}"
+    return data_dir, feat_dir, feat_dir / f"drafter-{recipe.data.digest()}-{recipe.train.digest()}"
+
+
 def build_drafter(
     recipe: DrafterRecipe,
     target_dir: Path,
@@ -105,14 +117,9 @@ def build_drafter(
     tokenizer: Any,
     root: Path | None = None,
 ) -> DrafterArtifact:
-    root = (root or cache_root()) / "eagle3" / target_fingerprint
-    # samples and features are shared by every selection with the same generation settings / spec;
-    # the drafter is specific to the selection and the training config
-    data_dir = root / f"gen-{recipe.data.generation_digest()}"
-    feat_dir = data_dir / f"features-{recipe.features.digest()}"
-    work = feat_dir / f"drafter-{recipe.data.digest()}-{recipe.train.digest()}"
+    data_dir, feat_dir, work = cache_dirs(recipe, target_fingerprint, root)
     out = work / "drafter"
-    with file_lock(root / ".pipeline.lock", what="building an EAGLE-3 drafter"):
+    with file_lock(data_dir.parent / ".pipeline.lock", what="building an EAGLE-3 drafter"):
         if (out / "COMPLETE").is_file():
             rep = json.loads((out / "report.json").read_text())
             log(f"drafter: reusing {out} (trained {rep['train']['steps']} steps on {rep['data']['train_tokens']} tokens)")

@@ -250,10 +250,11 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(why)
         return 0 if b else 1
-    key = recipe_key(recipe)
-    d = a.drafter_dir or (cache_root() / "eagle3" / fp / f"gen-{key['generation']}" / f"features-{key['features']}"
-                          / f"drafter-{key['data']}-{key['train']}" / "drafter")
-    samples = d.parent.parent.parent / "samples.jsonl"
+    from .pipeline import cache_dirs
+
+    data_dir, _, work = cache_dirs(recipe, fp)
+    d = a.drafter_dir or work / "drafter"
+    samples = d.parent.parent.parent / "samples.jsonl" if a.drafter_dir else data_dir / "samples.jsonl"
     dest = export(d, samples, recipe, fp, commit=commit_info().get("id"))
     print(f"exported {dest} ({sum(f.stat().st_size for f in dest.rglob('*') if f.is_file()) / 1e6:.1f} MB)")
     return 0
