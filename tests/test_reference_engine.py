@@ -269,7 +269,8 @@ def test_spec_counters_count_emitted_tokens_when_max_tokens_truncates(model_dir,
     st = eng.stats
     verify_emitted = max_new - 1  # the prefill emitted the first token
     assert st.spec_drafts == -(-verify_emitted // (k + 1))  # ceil: the last step may be cut
-    assert 1 + st.spec_accepted_tokens / st.spec_drafts == pytest.approx(verify_emitted / st.spec_drafts)
+    # 1 + accepted/drafts = emitted per verify step, i.e. every step emits its accepted drafts plus one
+    assert st.spec_accepted_tokens == verify_emitted - st.spec_drafts
     assert st.window_tokens == verify_emitted
     assert st.spec_accepted_tokens <= st.spec_drafts * k
     # per position: a step that emitted e tokens accepted positions 0..e-2
