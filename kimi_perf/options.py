@@ -108,7 +108,8 @@ def check_rootdir(config: pytest.Config) -> None:
     the wrong directory (a gate with no baselines, every verdict NEW). ``--perf-report-dir=/tmp/out`` (one
     token) is parsed after the plugin loads. Only refused where the invocation directory has a pytest
     configuration that was missed, so a repository without one is not bothered."""
-    if config.inipath is not None or _pytest_config_above(config.invocation_params.dir) is None:
+    missed = None if config.inipath is not None else _pytest_config_above(config.invocation_params.dir)
+    if missed is None:
         return
     args = [str(a) for a in config.invocation_params.args]
     for opt, val in zip(args, args[1:]):
@@ -119,7 +120,7 @@ def check_rootdir(config: pytest.Config) -> None:
             raise pytest.UsageError(
                 f"pytest took the value of {opt} ({val}) for a test path and made {config.rootpath} its rootdir, "
                 f"so it read no pytest configuration (markers, addopts, the perf_* ini defaults; this directory "
-                f"has {_pytest_config_above(config.invocation_params.dir)}). Fix: write {opt}={val} as one "
+                f"has {missed}). Fix: write {opt}={val} as one "
                 "argument, or pass --rootdir=. (or -c pyproject.toml)")
 
 
