@@ -11,4 +11,5 @@ pytest_plugins = [
     "fixtures.alignment",
     "fixtures.drafters",
     "fixtures.ab",
+    "fixtures.matrix",
 ]

@@ -11,7 +11,7 @@ build it.
 
 What is exact and what is a pattern: the throughput scenarios (``single_stream``, ``throughput_sweep``,
 ``batching_gain``, ``decode_floor``) and the EAGLE-3 ones (``eagle3_acceptance``, ``eagle3_speedup``,
-``eagle3_planted_offset``) are determined by the profile alone and are checked exactly. The alignment
+``eagle3_planted_offset``) and the extraction-path matrix cells (``eagle3_matrix``) are determined by the profile alone and are checked exactly. The alignment
 scenarios' workloads name layers that come from the model's config and the drafter at run time
 (``perf_tests/test_alignment.py``, ``perf_tests/test_engine_alignment.py``), so for them only the
 shape, the dtype and the engine are checked against the profile. A scenario this module does not know
@@ -29,7 +29,7 @@ from typing import Any
 from .baselines import BaselineKey
 from .profiles import Profile, ThroughputSpec
 
-__all__ = ["EAGLE3_SCENARIOS", "THROUGHPUT_SCENARIOS", "eagle3_eval", "eagle3_workload", "scenario_workload",
+__all__ = ["EAGLE3_SCENARIOS", "THROUGHPUT_SCENARIOS", "eagle3_eval", "eagle3_workload", "matrix_workload", "scenario_workload",
            "throughput_workload", "unreachable"]
 
 # scenario -> which workload of the throughput section it runs (single stream or the sweep at C)
@@ -53,6 +53,12 @@ def eagle3_workload(profile: Profile) -> str:
         raise ValueError(f"profile {profile.name} has no eagle3 section, so no EAGLE-3 workload")
     n, max_new, steps = eagle3_eval(profile.eagle3)
     return f"mtbench-heldout-{n}x{max_new}-k{steps}"
+
+
+def matrix_workload(profile: Profile, row: str) -> str:
+    """The workload key of one extraction-path matrix cell: the EAGLE-3 workload and the row (the
+    extraction path; the serving engine is the key's engine)."""
+    return f"{eagle3_workload(profile)}:{row}"
 
 
 def throughput_workload(tp: ThroughputSpec, scenario: str, concurrency: int) -> str:
@@ -134,6 +140,29 @@ def _alignment_problem(profile: Profile, key: BaselineKey) -> str | None:
     return f"scenario {s!r} has no rule in kimi_perf/keys.py"
 
 
+def _matrix_problem(profile: Profile, key: BaselineKey) -> str | None:
+    """perf_tests/test_matrix.py: one key per cell, workload EAGLE3_WORKLOAD:ROW, engine = serving engine."""
+    from .eagle3.matrix import MatrixPlan
+
+    raw = (profile.eagle3 or {}).get("matrix")
+    if not raw:
+        return "the profile has no eagle3.matrix section"
+    try:
+        plan = MatrixPlan.from_section(raw, profile.engines)
+    except ValueError as e:
+        return f"the profile's eagle3.matrix section is invalid: {e}"
+    if key.concurrency != 1:
+        return f"eagle3_matrix runs at concurrency 1, not {key.concurrency}"
+    rows = {r.name for r in (*plan.rows, *plan.ci_rows)}
+    engines = {*plan.engines, *plan.ci_engines}
+    if key.engine not in engines:
+        return f"engine {key.engine!r} is not a column of eagle3.matrix ({sorted(engines)})"
+    prefix = eagle3_workload(profile) + ":"
+    if not key.workload.startswith(prefix) or key.workload[len(prefix):] not in rows:
+        return f"workload {key.workload!r} is not {prefix}ROW with ROW one of eagle3.matrix rows {sorted(rows)}"
+    return None
+
+
 def unreachable(profile: Profile, key: BaselineKey) -> str | None:
     """Why no run of ``profile`` can build ``key`` (None: some run can). Model and hardware are those
     the profile runs with (``--perf-model`` aside); the engine must be one the scenario runs on."""
@@ -178,6 +207,8 @@ def unreachable(profile: Profile, key: BaselineKey) -> str | None:
             return f"{s} runs at concurrency 1, not {key.concurrency}"
         want = eagle3_workload(profile)
         return None if key.workload == want else f"workload {key.workload!r}: the profile's {s} runs {want!r}"
+    if s == "eagle3_matrix":
+        return _matrix_problem(profile, key)
     if s.startswith("alignment_"):
         return _alignment_problem(profile, key)
     return f"scenario {s!r} has no rule in kimi_perf/keys.py (add one before storing its baselines)"

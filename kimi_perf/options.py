@@ -17,6 +17,7 @@ MARKERS = {
     "eagle": "EAGLE-3 drafter acceptance and speedup",
     "gpu": "needs a CUDA GPU (skipped with a reason when none is visible)",
     "ab": "same-run A/B against the base named by --perf-ab (deselected without it)",
+    "matrix": "the full EAGLE-3 extraction-path x serving-engine matrix, ~30 CPU minutes (deselected unless -m names it)",
 }
 
 

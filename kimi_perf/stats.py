@@ -173,6 +173,13 @@ class GateDecision:
             return (f"{self.metric} ({arrow}, {self.unit}): candidate {_fmt(self.current)} vs threshold "
                     f"{_fmt(self.baseline)}, {self.level:.0%} interval [{lo:.3f}, {hi:.3f}] "
                     f"[n={self.n_current} pairs] -> {self.verdict}: {self.reason}")
+        if self.floor is None and self.noise is None:
+            # a same-run comparison with a fixed relative bound (the extraction-path matrix: a cell against
+            # the drafter trained on the serving engine's own features): no stored spread, no rank test
+            return (f"{self.metric} ({arrow}, {self.unit}): reference {_fmt(self.baseline)}, current "
+                    f"{_fmt(self.current)}, delta {self.delta * 100:+.1f}%, tolerance "  # type: ignore[operator]
+                    f"{(self.tolerance or 0) * 100:.1f}% [n={self.n_baseline} vs {self.n_current}] -> "
+                    f"{self.verdict}: {self.reason}")
         p = "n/a" if self.p_value is None else f"{self.p_value:.3f}"
         return (
             f"{self.metric} ({arrow}, {self.unit}): baseline {_fmt(self.baseline)}, current {_fmt(self.current)}, "

@@ -29,7 +29,7 @@ __all__ = ["ALIGNMENT_KEYS", "EAGLE3_EVAL_KEYS", "EAGLE3_KEYS", "ENGINE_NOISE_FA
            "diagnosis_layers", "drafter_aux_layers", "eagle3_engines", "engine_threshold",
            "planted_sglang_offset", "selected_engines", "serving_dtype"]
 
-EAGLE3_KEYS = frozenset({"engine", "engines", "steps", "recipe", "eval", "gated"})
+EAGLE3_KEYS = frozenset({"engine", "engines", "steps", "recipe", "eval", "gated", "matrix"})
 EAGLE3_EVAL_KEYS = frozenset({"prompts", "max_new_tokens", "min_speedup", "min_accept_length",
                               "mismatch_max_accept_ratio", "mismatch_min_accept_length"})
 EAGLE3_GATEABLE = ("accept_length", "accept_rate", "accept_rate_pos0", "accept_rate_pos1", "accept_rate_pos2",
@@ -113,6 +113,15 @@ def check_eagle3_section(raw: Any, engines: Mapping[str, Any]) -> None:
     _number(ev, "max_new_tokens", "eagle3.eval", 1, integer=True)
     for k in ("min_speedup", "min_accept_length", "mismatch_max_accept_ratio", "mismatch_min_accept_length"):
         _number(ev, k, "eagle3.eval", 0)
+    if "matrix" in raw:
+        from ..eagle3.matrix import MatrixPlan
+
+        if not isinstance(raw["matrix"], Mapping):
+            raise PlanError("eagle3.matrix", "must be an object", "see profiles/embedded-cpu.json")
+        try:
+            MatrixPlan.from_section(raw["matrix"], engines)
+        except ValueError as e:
+            raise PlanError("eagle3.matrix", str(e), "see kimi_perf/eagle3/matrix.py for rows and gates") from None
     gated = raw.get("gated", [])
     if not isinstance(gated, list) or any(g not in EAGLE3_GATEABLE for g in gated):
         raise PlanError("eagle3.gated", f"{gated!r}", f"a list of: {', '.join(EAGLE3_GATEABLE)}")

@@ -26,7 +26,7 @@ from typing import Any
 from ..data import Conversation, load_mtbench, load_sharegpt, stable_split
 from ..progress import log
 
-__all__ = ["DataConfig", "PromptItem", "Sample", "build_items", "generate_samples", "read_samples"]
+__all__ = ["FOLLOWUPS", "DataConfig", "PromptItem", "Sample", "build_items", "generate_samples", "read_samples"]
 
 
 @dataclass(frozen=True)
@@ -44,10 +44,18 @@ class DataConfig:
     heldout_first_turn_only: bool = True
     max_heldout_items: int | None = None
     concurrency: int = 16
+    # synthetic multi-turn continuations: each *training* conversation gets this many generic follow-up
+    # user turns (FOLLOWUPS, picked by a hash of its id), each answered by the target conditioned on its
+    # own regenerated earlier replies -- more assistant tokens per prompt, in the long-context, multi-turn
+    # positions MT-bench's second turns evaluate
+    followups: int = 0
 
     def digest(self) -> str:
         """Identity of the selected dataset (which items, how generated)."""
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        d = asdict(self)
+        if d["followups"] == 0:
+            d.pop("followups")  # added later: configs without it keep their digest (and cached drafters)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
     def generation_digest(self) -> str:
         """Identity of *how* a sample is generated. Samples are stored under this key, so growing or
@@ -101,15 +109,41 @@ def _conversations(sources: Sequence[str]) -> list[Conversation]:
     return out
 
 
+FOLLOWUPS = (
+    "Can you explain that in more detail?",
+    "Give me a concrete example.",
+    "Summarize your answer in three bullet points.",
+    "What are the most common mistakes people make with this?",
+    "Rewrite your answer for a complete beginner.",
+    "What would change if the situation were reversed?",
+    "Can you make it shorter?",
+    "Why is that the case?",
+    "What are the pros and cons?",
+    "Continue.",
+    "How would you explain this to a ten-year-old?",
+    "List the steps one by one.",
+    "What is a good follow-up question to ask about this?",
+    "Can you give an alternative approach?",
+    "Turn your answer into a short story.",
+    "Which part of your answer are you least sure about, and why?",
+)
+
+
+def _followups(conv_id: str, k: int) -> tuple[str, ...]:
+    order = sorted(range(len(FOLLOWUPS)), key=lambda i: hashlib.sha256(f"{conv_id}:{i}".encode()).hexdigest())
+    return tuple(FOLLOWUPS[i] for i in order[:k])
+
+
 def build_items(cfg: DataConfig) -> list[PromptItem]:
     items = []
     for c in _conversations(cfg.sources):
         split = stable_split(c.id, cfg.held_out_fraction)
-        n_turns = len(c.turns) if cfg.multi_turn else 1
+        turns = c.turns if not cfg.multi_turn else c.turns + (_followups(c.id, cfg.followups) if split == "train" else ())
+        n_turns = len(turns) if cfg.multi_turn else 1
         for t in range(1, n_turns + 1):
             for v in range(cfg.responses_per_prompt if split == "train" else 1):
                 items.append(PromptItem(id=f"{c.id}-t{t}" + (f"-r{v}" if v else ""), conv_id=c.id, source=c.source,
-                                        split=split, turn=t, turns=c.turns[:t], variant=v))
+                                        split=split, turn=t, turns=turns[:t], variant=v))
     held = [i for i in items if i.split == "heldout" and i.source in cfg.heldout_sources
             and (i.turn == 1 or not cfg.heldout_first_turn_only)]
     if cfg.max_heldout_items is not None:

@@ -13,8 +13,19 @@ Backends:
 - ``http-aux``: an SGLang-style server in aux mode (``--enable-return-aux-hidden-states``): a prefill
   of the sequence with ``return_hidden_states`` returns the aux rows (SGLang 0.5.23 or ours).
 
-``layer_offset`` plants the classic extraction bug (features captured one layer off but labelled as
-the intended layers) so tests can show what it does to acceptance and that alignment names it.
+- ``vllm-extract``: vLLM's ``extract_hidden_states`` speculative method (``server_url``/``server_model``:
+  a server started with it for these layers): one prefill-only completion per sample; its rows are
+  the residual entering each layer, like ours.
+
+Planted faults, so the extraction-path matrix (kimi_perf.eagle3.matrix) can show what each does to
+alignment and to acceptance, and tests can check alignment names it:
+- ``layer_offset``: the classic extraction bug (features captured one layer off but labelled as the
+  intended layers);
+- ``transform="postnorm"``: each aux layer taken *after* that layer's input RMSNorm (what a hook on
+  the attention module instead of the decoder layer captures) instead of the residual stream;
+- ``transform="int8"``: each layer of each sample rounded to int8 with one absmax scale (a capture
+  path that stores or computes activations in int8; the residual stream's outlier channels set the
+  scale, so the small channels lose most of their bits).
 
 Resumable: each shard is written to a temp name and renamed, then the manifest is rewritten
 atomically; a restart skips the samples already in listed shards.
@@ -36,25 +47,31 @@ from ..progress import log
 from .data import Sample
 
 FORMAT = "kimi-perf-eagle3-features/1"
-__all__ = ["FeatureSpec", "FeatureStore", "extract_features"]
+__all__ = ["FeaturePath", "FeatureSpec", "FeatureStore", "extract_features"]
 
 
 @dataclass(frozen=True)
 class FeatureSpec:
-    backend: str = "hf"  # hf | reference | http-aux
+    backend: str = "hf"  # hf | reference | http-aux | vllm-extract
     layers: tuple[int, ...] | None = None  # None: [2, N//2, N-3]
     dtype: str = "bfloat16"
     device: str = "cpu"
     layer_offset: int = 0  # planted fault: capture layer k + offset, label it k
     shard_tokens: int = 65536
-    server_url: str | None = None  # for http-aux
+    server_url: str | None = None  # for http-aux and vllm-extract
+    transform: str = "none"  # none | postnorm | int8 (planted faults, see the module docstring)
+    server_model: str | None = None  # vllm-extract: the served model name
 
     def digest(self) -> str:
         import hashlib
 
         d = asdict(self)
-        d.pop("server_url")
-        d.pop("device")
+        for k in ("server_url", "device", "server_model"):
+            d.pop(k)
+        if d["transform"] == "none":
+            # added after drafters were shipped and cached: a spec without a transform keeps the digest
+            # it had, so no cached feature set or shipped drafter is invalidated by the field existing
+            d.pop("transform")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -144,6 +161,130 @@ class _HTTPAuxBackend:
         return block, None, None
 
 
+class _VLLMExtractBackend:
+    """Prefill-only completions to a vLLM server running ``extract_hidden_states`` for these layers."""
+
+    def __init__(self, url: str, model: str, layers: tuple[int, ...]) -> None:
+        self.url, self.model, self.layers = url.rstrip("/"), model, layers
+        self.version = f"vllm {self._version()} extract_hidden_states"
+
+    def _version(self) -> str:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.url + "/version", timeout=10) as r:  # noqa: S310 - loopback
+                return str(json.loads(r.read()).get("version"))
+        except OSError as e:
+            raise RuntimeError(f"vllm-extract backend: {self.url}/version unreachable: {e}") from None
+
+    def __call__(self, ids: list[int]) -> tuple[torch.Tensor, None, None]:
+        from ..alignment.vllm import vllm_hidden_states
+
+        hs = vllm_hidden_states(self.url, self.model, [ids], 1, layers=list(self.layers))[0]
+        rows = [torch.from_numpy(hs.layers[k][: len(ids)]) for k in self.layers]
+        if rows[0].shape[0] != len(ids):
+            raise RuntimeError(f"vLLM returned {rows[0].shape[0]} rows for a {len(ids)}-token prefill")
+        # like http-aux, no final-norm output: the caller pairs these rows with a local reference-runner
+        # final hidden (same weights) for the trainer's target logits
+        return torch.cat(rows, dim=-1), None, None
+
+
+def feature_layers(spec: FeatureSpec, num_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the layers the features are labelled with, the layers actually captured: + the planted offset)."""
+    n = num_layers
+    layers = tuple(spec.layers) if spec.layers is not None else (2, n // 2, n - 3)
+    captured = tuple(k + spec.layer_offset for k in layers)
+    if not all(0 <= k <= n for k in captured):
+        raise ValueError(f"layers {captured} outside [0, {n}]")
+    return layers, captured
+
+
+class Transform:
+    """A planted fault applied to captured aux rows ``[T, L*H]`` (identity for ``none``)."""
+
+    def __init__(self, name: str, model_dir: Path, layers: tuple[int, ...], hidden: int) -> None:
+        if name not in ("none", "postnorm", "int8"):
+            raise ValueError(f"unknown feature transform {name!r}: none, postnorm or int8")
+        self.name, self.layers, self.hidden = name, layers, hidden
+        self.norms: list[torch.Tensor] = []
+        self.eps = 1e-5
+        if name == "postnorm":
+            from safetensors import safe_open
+
+            cfg = json.loads((Path(model_dir) / "config.json").read_text())
+            self.eps = float(cfg.get("rms_norm_eps", 1e-5))
+            want = {k: f"model.layers.{k}.input_layernorm.weight" for k in layers}
+            got: dict[int, torch.Tensor] = {}
+            for f in sorted(Path(model_dir).glob("*.safetensors")):
+                with safe_open(str(f), framework="pt") as h:
+                    names = set(h.keys())
+                    for k, n in want.items():
+                        if n in names:
+                            got[k] = h.get_tensor(n).float()
+            if set(got) != set(layers):
+                raise ValueError(f"postnorm: no input_layernorm weight for layer(s) {sorted(set(layers) - set(got))} "
+                                 f"in {model_dir} (the last layer's output has no next-layer norm)")
+            self.norms = [got[k] for k in layers]
+
+    def __call__(self, aux: torch.Tensor) -> torch.Tensor:
+        if self.name == "none":
+            return aux
+        parts = aux.float().split(self.hidden, dim=-1)
+        if self.name == "postnorm":
+            out = [p * torch.rsqrt(p.pow(2).mean(-1, keepdim=True) + self.eps) * w for p, w in zip(parts, self.norms)]
+        else:
+            out = []
+            for p in parts:
+                scale = p.abs().max().clamp_min(1e-12) / 127.0
+                out.append(torch.round(p / scale).clamp(-127, 127) * scale)
+        return torch.cat(out, dim=-1)
+
+
+class FeaturePath:
+    """One extraction path: backend + planted fault, ``path(ids) -> (aux [T, L*H], final [T, H],
+    target argmax [T])``. What :func:`extract_features` stores, and what the extraction-path matrix
+    compares with an engine's inference states on the engine's own sequences."""
+
+    def __init__(self, spec: FeatureSpec, model_dir: Path, *, max_len: int = 2048) -> None:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(str(model_dir))
+        n = int(cfg.num_hidden_layers)
+        self.hidden = int(cfg.hidden_size)
+        self.layers, self.captured = feature_layers(spec, n)
+        self.num_layers = n
+        dtype = getattr(torch, spec.dtype)
+        self.final_be: Any = None
+        if spec.backend == "hf":
+            self.be: Any = _HFBackend(model_dir, self.captured, dtype, spec.device)
+        elif spec.backend == "reference":
+            self.be = _ReferenceBackend(model_dir, self.captured, dtype, spec.device, max_len)
+        elif spec.backend in ("http-aux", "vllm-extract"):
+            if not spec.server_url:
+                raise ValueError(f"{spec.backend} features need FeatureSpec.server_url (a running server)")
+            if spec.backend == "http-aux":
+                self.be = _HTTPAuxBackend(spec.server_url, self.captured, self.hidden)
+            else:
+                self.be = _VLLMExtractBackend(spec.server_url, spec.server_model or "", self.captured)
+            self.final_be = _ReferenceBackend(model_dir, (n,), dtype, spec.device, max_len)
+        else:
+            raise ValueError(f"unknown feature backend {spec.backend!r}: hf, reference, http-aux or vllm-extract")
+        # the fault acts on the *captured* layers' rows (postnorm uses those layers' own norms)
+        self.transform = Transform(spec.transform, model_dir, self.captured, self.hidden)
+        self.version = self.be.version
+
+    def __call__(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        aux, final, am = self.be(ids)
+        if self.final_be is not None:
+            _, final, am = self.final_be(ids)
+        return self.transform(aux), final, am
+
+    def by_layer(self, ids: list[int]) -> dict[int, torch.Tensor]:
+        """The aux rows split per labelled layer (what a drafter trained on this path thinks layer k is)."""
+        aux = self(ids)[0].float()
+        return {k: aux[:, i * self.hidden:(i + 1) * self.hidden] for i, k in enumerate(self.layers)}
+
+
 class FeatureStore:
     """Read side: ``FeatureStore(dir).samples()`` yields FeatureSample with the manifest's provenance."""
 
@@ -194,10 +335,7 @@ def extract_features(samples: Sequence[Sample], model_dir: Path, out_dir: Path, 
     cfg = AutoConfig.from_pretrained(str(model_dir))
     n = int(cfg.num_hidden_layers)
     hidden = int(cfg.hidden_size)
-    layers = tuple(spec.layers) if spec.layers is not None else (2, n // 2, n - 3)
-    captured = tuple(k + spec.layer_offset for k in layers)
-    if not all(0 <= k <= n for k in captured):
-        raise ValueError(f"layers {captured} outside [0, {n}]")
+    layers, captured = feature_layers(spec, n)
     dtype = getattr(torch, spec.dtype)
     mpath = out_dir / "manifest.json"
     if mpath.is_file():
@@ -208,7 +346,8 @@ def extract_features(samples: Sequence[Sample], model_dir: Path, out_dir: Path, 
         manifest = {
             "format": FORMAT, "spec_digest": spec.digest(), "layers": list(layers),
             "layer_convention": "residual stream entering layer k (k=0: embeddings, k=N: last layer output, pre-norm)",
-            "aux_pre_norm": True, "final": "output of the final RMSNorm (post-norm)", "dtype": spec.dtype,
+            "aux_pre_norm": spec.transform != "postnorm", "planted_transform": spec.transform,
+            "final": "output of the final RMSNorm (post-norm)", "dtype": spec.dtype,
             "backend": spec.backend, "backend_version": None, "planted_layer_offset": spec.layer_offset,
             "target_model": {"path": str(model_dir), "fingerprint": model_fingerprint, "num_layers": n,
                              "hidden_size": hidden},
@@ -218,22 +357,11 @@ def extract_features(samples: Sequence[Sample], model_dir: Path, out_dir: Path, 
     todo = [s for s in samples if s.id not in have and len(s.ids) <= max_len]
     if not todo:
         return FeatureStore(out_dir)
-    if spec.backend == "hf":
-        be: Any = _HFBackend(model_dir, captured, dtype, spec.device)
-        final_be = None
-    elif spec.backend == "reference":
-        be = _ReferenceBackend(model_dir, captured, dtype, spec.device, max_len)
-        final_be = None
-    elif spec.backend == "http-aux":
-        if not spec.server_url:
-            raise ValueError("http-aux features need FeatureSpec.server_url (an aux-mode server)")
-        be = _HTTPAuxBackend(spec.server_url, captured, hidden)
-        final_be = _ReferenceBackend(model_dir, (n,), dtype, spec.device, max_len)
-    else:
-        raise ValueError(f"unknown feature backend {spec.backend!r}: hf, reference or http-aux")
+    be = FeaturePath(spec, model_dir, max_len=max_len)
     manifest["backend_version"] = be.version
     log(f"drafter features: {len(have)} samples reused, {len(todo)} to extract with {spec.backend} "
-        f"(layers {list(captured)}{' PLANTED OFFSET ' + str(spec.layer_offset) if spec.layer_offset else ''}) -> {out_dir}")
+        f"(layers {list(captured)}{' PLANTED OFFSET ' + str(spec.layer_offset) if spec.layer_offset else ''}"
+        f"{' PLANTED ' + spec.transform.upper() if spec.transform != 'none' else ''}) -> {out_dir}")
     t0 = time.monotonic()
     buf: dict[str, list[torch.Tensor]] = {k: [] for k in ("aux", "final", "input_ids", "loss_mask", "target_argmax")}
     buf_ids: list[str] = []
@@ -266,8 +394,6 @@ def extract_features(samples: Sequence[Sample], model_dir: Path, out_dir: Path, 
     for i, s in enumerate(todo):
         ids = s.ids
         aux, final, am = be(ids)
-        if final_be is not None:
-            _, final, am = final_be(ids)
         buf["aux"].append(aux.cpu())
         buf["final"].append(final.cpu())
         buf["input_ids"].append(torch.tensor(ids))

@@ -1,0 +1,321 @@
+"""The extraction-path x serving-engine matrix: which capture path makes a drafter the engine accepts.
+
+Why: the seed's drafter accepted nothing (accept length 1.0: only the bonus token). Its features came
+from a patched vLLM worker, serving was SGLang, and nobody could say whether the two paths disagreed,
+by how much, and whether that disagreement was what broke acceptance. Alignment tools compare two
+paths' hidden states (SpecForge: ``allclose(atol=0.1)``); none ties that to acceptance. The matrix
+does, with everything else held fixed:
+
+- rows: the extraction path of the training features (transformers, the reference engine, vLLM's
+  ``extract_hidden_states``; and planted faults on a good path: one layer off, post-norm instead of
+  the residual stream, int8-rounded);
+- columns: the serving engine;
+- cell: per-layer cosine of the row's features against that engine's inference states (the row's path
+  run on the engine's own generated sequences), and the acceptance of the drafter trained on the row's
+  features (same samples, same recipe, same seed: only the path differs) served by that engine.
+
+Gates (:func:`judge`), per cell, against the drafter trained on the serving engine's *own* features:
+
+- every layer at or above the alignment threshold -> accept length within ``accept_tolerance``
+  (relative) of the own-features drafter's, else FAIL (the cosine gate passed a path that costs
+  acceptance: the threshold is too loose);
+- a planted fault must fail the cosine gate at some layer (else FAIL: alignment cannot see it) and, when
+  the own-features drafter accepts enough to resolve a drop (``resolvable``), must lose more than the
+  tolerance; below that the drop is reported, not asserted (INCONCLUSIVE), as the layer-mismatch test does;
+- a real path that fails the cosine gate against an engine is itself the finding: FAIL, naming the
+  layers (the acceptance it costs is in the cell).
+
+Nothing here imports torch: the fixture measures (fixtures/matrix.py), this module decides and draws.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["cell_decision", "MatrixCell", "MatrixPlan", "MatrixRow", "LayerAgreement", "judge", "parse_row", "render_heatmap",
+           "render_markdown"]
+
+# row base name -> (feature backend, the engine kind whose own features it is)
+PATHS: dict[str, tuple[str, str]] = {
+    "hf": ("hf", "hf"),
+    "reference": ("reference", "reference"),
+    "vllm": ("vllm-extract", "vllm"),
+}
+FAULTS = ("offset", "postnorm", "int8")
+_ROW = re.compile(r"(?P<base>[a-z]+)(?:\+(?P<fault>offset(?P<k>-?\d+)|postnorm|int8))?")
+
+
+@dataclass(frozen=True)
+class MatrixRow:
+    """One extraction path: a real capture path, optionally with one planted fault."""
+
+    name: str  # e.g. "vllm", "hf+offset1"
+    base: str  # hf | reference | vllm
+    backend: str  # the FeatureSpec backend
+    layer_offset: int = 0
+    transform: str = "none"
+
+    @property
+    def planted(self) -> bool:
+        return self.layer_offset != 0 or self.transform != "none"
+
+    def describe(self) -> str:
+        what = {"hf": "transformers forward with pre-hooks", "reference": "reference engine prefill",
+                "vllm": "vLLM extract_hidden_states prefill"}[self.base]
+        if self.layer_offset:
+            what += f", PLANTED: captured {self.layer_offset:+d} layer(s) off, labelled as intended"
+        if self.transform == "postnorm":
+            what += ", PLANTED: after the layer's input RMSNorm instead of the residual stream"
+        if self.transform == "int8":
+            what += ", PLANTED: int8-rounded (one absmax scale per layer per sample)"
+        return what
+
+
+def parse_row(name: str) -> MatrixRow:
+    m = _ROW.fullmatch(name)
+    if m is None or m.group("base") not in PATHS:
+        raise ValueError(f"matrix row {name!r}: write PATH or PATH+FAULT with PATH one of {sorted(PATHS)} and FAULT "
+                         "offsetK (e.g. offset1), postnorm or int8")
+    base = m.group("base")
+    fault = m.group("fault") or ""
+    offset = int(m.group("k")) if fault.startswith("offset") else 0
+    if fault.startswith("offset") and offset == 0:
+        raise ValueError(f"matrix row {name!r}: offset0 is no fault; write {base}")
+    return MatrixRow(name, base, PATHS[base][0], offset, fault if fault in ("postnorm", "int8") else "none")
+
+
+@dataclass(frozen=True)
+class MatrixPlan:
+    """A profile's ``eagle3.matrix`` section."""
+
+    rows: tuple[MatrixRow, ...]
+    engines: tuple[str, ...]
+    ci_rows: tuple[MatrixRow, ...]
+    ci_engines: tuple[str, ...]
+    accept_tolerance: float
+    sources: str = ""
+
+    @classmethod
+    def from_section(cls, raw: Mapping[str, Any], engines: Mapping[str, Any]) -> MatrixPlan:
+        """Validated; ValueError names the key and the fix."""
+        known = {"rows", "engines", "ci", "accept_tolerance"}
+        bad = set(raw) - known
+        if bad:
+            raise ValueError(f"unknown key(s) {sorted(bad)}; allowed: {sorted(known)}")
+
+        def rows(v: Any, where: str) -> tuple[MatrixRow, ...]:
+            if not isinstance(v, list) or not v or not all(isinstance(x, str) for x in v):
+                raise ValueError(f"{where} must be a non-empty list of row names, e.g. [\"hf\", \"hf+offset1\"]")
+            out = tuple(parse_row(x) for x in v)
+            for r in out:
+                if r.base not in ("hf", "reference") and r.base not in {str(e.get("kind")) for e in engines.values()}:
+                    raise ValueError(f"{where}: row {r.name!r} extracts through {r.base}, which is no engine of "
+                                     f"the profile ({sorted(engines)})")
+            return out
+
+        def engs(v: Any, where: str) -> tuple[str, ...]:
+            if not isinstance(v, list) or not v or any(e not in engines for e in v):
+                raise ValueError(f"{where} must be a non-empty list of the profile's engines {sorted(engines)}")
+            return tuple(v)
+
+        r = rows(raw.get("rows"), "rows")
+        e = engs(raw.get("engines"), "engines")
+        ci = raw.get("ci", {})
+        if not isinstance(ci, Mapping) or set(ci) - {"rows", "engines"}:
+            raise ValueError("ci must be an object with rows and engines (the reduced matrix CI runs)")
+        cr = rows(ci.get("rows", [x.name for x in r]), "ci.rows")
+        ce = engs(ci.get("engines", list(e)), "ci.engines")
+        tol = raw.get("accept_tolerance", 0.08)
+        if not isinstance(tol, (int, float)) or not 0 < tol < 1:
+            raise ValueError(f"accept_tolerance {tol!r} must be a fraction in (0, 1), e.g. 0.08")
+        return cls(r, e, cr, ce, float(tol))
+
+
+def own_row(engine_kind: str) -> str:
+    """The row whose features come from ``engine_kind`` itself (the drafter each cell is held against)."""
+    for name, (_, kind) in PATHS.items():
+        if kind == engine_kind:
+            return name
+    raise ValueError(f"no extraction path for engine kind {engine_kind!r}: the matrix knows {sorted(PATHS)}")
+
+
+@dataclass(frozen=True)
+class LayerAgreement:
+    layer: int
+    cos_min: float
+    threshold: float
+
+    @property
+    def ok(self) -> bool:
+        return self.cos_min >= self.threshold
+
+
+@dataclass(frozen=True)
+class MatrixCell:
+    row: str
+    engine: str
+    planted: bool
+    layers: tuple[LayerAgreement, ...]
+    accept_length: float
+    pos_rates: tuple[float, ...]
+    own_accept_length: float | None
+    verdict: str  # PASS | FAIL | INCONCLUSIVE
+    reason: str
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def aligned(self) -> bool:
+        return all(a.ok for a in self.layers)
+
+    @property
+    def cos_min(self) -> float:
+        return min(a.cos_min for a in self.layers)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"row": self.row, "engine": self.engine, "planted": self.planted, "aligned": self.aligned,
+                "layers": {str(a.layer): {"cosine_min": a.cos_min, "threshold": a.threshold} for a in self.layers},
+                "accept_length": self.accept_length, "pos_rates": list(self.pos_rates),
+                "own_accept_length": self.own_accept_length, "verdict": self.verdict, "reason": self.reason,
+                **dict(self.extra)}
+
+
+def judge(row: MatrixRow, engine: str, layers: Sequence[LayerAgreement], accept_length: float,
+          own_accept_length: float | None, *, tolerance: float, resolvable: float,
+          own: bool = False) -> tuple[str, str]:
+    """(verdict, reason) of one cell; the rules are the module docstring's."""
+    bad = [a for a in layers if not a.ok]
+    cos = ", ".join(f"layer {a.layer} {a.cos_min:.4f} {'<' if not a.ok else '>='} {a.threshold:.4f}" for a in layers)
+    if own_accept_length is None:
+        rel_txt, drop = "no own-features drafter to compare with", None
+    else:
+        drop = 1.0 - accept_length / own_accept_length
+        rel_txt = (f"accept length {accept_length:.3f} vs {own_accept_length:.3f} for the drafter trained on "
+                   f"{engine}'s own features ({-drop:+.1%}, tolerance -{tolerance:.0%})")
+    if own:
+        if bad:
+            return "FAIL", (f"{row.name} is {engine}'s own path yet disagrees with its inference states ({cos}): the "
+                            "capture and the serving path of one engine differ")
+        return "PASS", f"{engine}'s own features ({cos}); accept length {accept_length:.3f} is the cell's reference"
+    if row.planted:
+        if not bad:
+            return "FAIL", (f"planted fault {row.name} passes the cosine gate at every layer ({cos}): alignment "
+                            "cannot see it")
+        if drop is None:
+            return "INCONCLUSIVE", f"planted fault seen by the cosine gate ({cos}); {rel_txt}"
+        if own_accept_length is not None and own_accept_length < resolvable:
+            return "INCONCLUSIVE", (f"planted fault seen by the cosine gate ({cos}); {rel_txt}; the own-features "
+                                    f"drafter's accept length is below {resolvable} (eval.mismatch_min_accept_length), "
+                                    "too weak to resolve an acceptance drop, so the drop is reported, not asserted")
+        if drop <= tolerance:
+            return "FAIL", (f"planted fault seen by the cosine gate ({cos}) but acceptance held: {rel_txt}")
+        return "PASS", f"planted fault seen by the cosine gate ({cos}) and in acceptance: {rel_txt}"
+    if bad:
+        return "FAIL", (f"{row.name} features disagree with {engine}'s inference states at layer(s) "
+                        f"{', '.join(str(a.layer) for a in bad)} ({cos}); {rel_txt}")
+    if drop is not None and drop > tolerance:
+        return "FAIL", (f"{row.name} passes the cosine gate ({cos}) but the drafter trained on it loses acceptance "
+                        f"on {engine}: {rel_txt}")
+    return "PASS", f"aligned ({cos}); {rel_txt}"
+
+
+def render_markdown(cells: Sequence[MatrixCell], *, title: str = "EAGLE-3 extraction path x serving engine") -> str:
+    """One table: rows = extraction paths, columns = serving engines; each cell min cosine per layer,
+    accept length (pos-0 rate) and the verdict; the reasons follow the table."""
+    rows = list(dict.fromkeys(c.row for c in cells))
+    engines = list(dict.fromkeys(c.engine for c in cells))
+    by = {(c.row, c.engine): c for c in cells}
+    out = [f"**{title}** (cosine: min over tokens per aux layer vs the engine's inference states; "
+           "accept length incl. bonus, pos-0 acceptance in brackets)", "",
+           "| extraction path | " + " | ".join(engines) + " |", "|---|" + "---|" * len(engines)]
+    for r in rows:
+        cols = []
+        for e in engines:
+            c = by.get((r, e))
+            if c is None:
+                cols.append("-")
+                continue
+            cos = " / ".join(f"{a.cos_min:.4f}{'' if a.ok else '✗'}" for a in c.layers)
+            pos0 = f" ({c.pos_rates[0]:.3f})" if c.pos_rates else ""
+            cols.append(f"cos {cos}; AL {c.accept_length:.3f}{pos0}; **{c.verdict}**")
+        out.append(f"| {r} | " + " | ".join(cols) + " |")
+    out.append("")
+    for c in cells:
+        out.append(f"- {c.row} -> {c.engine}: {c.verdict}: {c.reason}")
+    out.append("")
+    return "\n".join(out)
+
+
+def render_heatmap(cells: Sequence[MatrixCell], path: Path) -> Path:
+    """Two heatmaps side by side: worst-layer cosine and accept length, rows = paths, columns =
+    engines, each cell annotated (a failing cosine marked ✗, the verdict under the accept length)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = list(dict.fromkeys(c.row for c in cells))
+    engines = list(dict.fromkeys(c.engine for c in cells))
+    by = {(c.row, c.engine): c for c in cells}
+    cos = np.full((len(rows), len(engines)), np.nan)
+    acc = np.full_like(cos, np.nan)
+    for i, r in enumerate(rows):
+        for j, e in enumerate(engines):
+            c = by.get((r, e))
+            if c is not None:
+                cos[i, j], acc[i, j] = c.cos_min, c.accept_length
+    fig, axes = plt.subplots(1, 2, figsize=(4 + 2.4 * len(engines) * 2, 1.2 + 0.55 * len(rows)))
+    for ax, data, name, fmt in ((axes[0], cos, "min cosine (worst aux layer)", "{:.4f}"),
+                                (axes[1], acc, "accept length (tokens/step)", "{:.3f}")):
+        im = ax.imshow(data, cmap="RdYlGn", aspect="auto",
+                       vmin=np.nanmin(data) if np.isfinite(data).any() else 0,
+                       vmax=np.nanmax(data) if np.isfinite(data).any() else 1)
+        ax.set_xticks(range(len(engines)), engines)
+        ax.set_yticks(range(len(rows)), rows)
+        ax.set_xlabel("serving engine")
+        ax.set_title(name, fontsize=10)
+        for i, r in enumerate(rows):
+            for j, e in enumerate(engines):
+                c = by.get((r, e))
+                if c is None:
+                    continue
+                txt = fmt.format(data[i, j])
+                if ax is axes[0] and not c.aligned:
+                    txt += " ✗"
+                if ax is axes[1]:
+                    txt += f"\n{c.verdict}"
+                ax.text(j, i, txt, ha="center", va="center", fontsize=8)
+        fig.colorbar(im, ax=ax, shrink=0.8)
+    axes[0].set_ylabel("extraction path of the training features")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def cell_decision(cell: MatrixCell, tolerance: float) -> Any:
+    """The cell's verdict as a gate decision for every report (terminal, summary.md, run.json): metric
+    accept_length against the own-features drafter's, the tolerance and the reason."""
+    from ..stats import GateDecision
+
+    base = cell.own_accept_length
+    delta = None if base is None else cell.accept_length / base - 1.0
+    return GateDecision(metric="accept_length", unit="tok/step", direction="higher", verdict=cell.verdict,  # type: ignore[arg-type]
+                        baseline=base, current=cell.accept_length, delta=delta,
+                        worse_by=None if delta is None else -delta, tolerance=tolerance, floor=None, noise=None,
+                        p_value=None, n_baseline=1, n_current=1,
+                        reason=f"matrix {cell.row} -> {cell.engine} (vs own-features drafter): {cell.reason}")
+
+
+def write_json(cells: Sequence[MatrixCell], path: Path, **meta: Any) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**meta, "cells": [c.to_json() for c in cells]}, indent=1) + "\n")
+    return path

@@ -1,0 +1,65 @@
+"""The extraction-path x serving-engine matrix: the seed's question ("do our training features match
+what the serving engine computes, and is that why the drafter accepts nothing?") answered by a test.
+
+Rows are extraction paths of the training features (transformers, the reference engine, vLLM's
+``extract_hidden_states``, and planted faults on a good path), columns serving engines. Each cell holds
+the per-layer cosine of the row's features against that engine's inference states and the acceptance
+of the drafter trained on the row's features, served by that engine; kimi_perf.eagle3.matrix states the
+gates. Baselines key each cell by extraction path (the workload's suffix) and serving engine (the key's
+engine), so the history of every cell is kept.
+
+Two sizes: ``test_extraction_matrix_reduced`` runs the profile's ``eagle3.matrix.ci`` rows and engines
+(two paths, one engine on embedded-cpu: one extra drafter, ~4 CPU minutes) on every merge; the full
+matrix (~6 drafters, two engines, under 30 CPU minutes) is marked ``matrix`` and runs only when ``-m``
+names it: ``pytest -m matrix``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kimi_perf.progress import log
+
+pytestmark = [pytest.mark.perf, pytest.mark.eagle]
+
+
+def _run(label: str, rows, engines, extraction_matrix, perf_session, target_model, perf_gate) -> None:
+    from kimi_perf.eagle3.matrix import cell_decision, render_heatmap, render_markdown, write_json
+    from kimi_perf.keys import matrix_workload
+
+    from fixtures.matrix import cell_samples
+
+    cells = extraction_matrix.cells(rows, engines)
+    title = f"EAGLE-3 extraction path x serving engine ({label}, {perf_session.profile.name})"
+    md = render_markdown(cells, title=title)
+    png = render_heatmap(cells, perf_session.report_dir / f"eagle3-matrix-{label}.png")
+    js = write_json(cells, perf_session.report_dir / f"eagle3-matrix-{label}.json", profile=perf_session.profile.name,
+                    accept_tolerance=extraction_matrix.plan.accept_tolerance)
+    log(f"{md}\nheatmap {png}, cells {js}")
+    decisions = []
+    for i, c in enumerate(cells):
+        d = cell_decision(c, extraction_matrix.plan.accept_tolerance)
+        decisions += perf_gate.check(
+            scenario="eagle3_matrix", engine=c.engine, model=target_model.name,
+            workload=matrix_workload(perf_session.profile, c.row), concurrency=1, samples=cell_samples(c),
+            gated=["accept_length"], dependent=["accept_length"], decided=[d], fail=False,
+            extra={"cell": c.to_json(), "heatmap": str(png), **({"markdown": md} if i == len(cells) - 1 else {})})
+    fails = [d for d in decisions if d.verdict == "FAIL"]
+    if fails and not perf_session.update:
+        pytest.fail("extraction-path matrix:\n  " + "\n  ".join(d.message() for d in fails), pytrace=False)
+
+
+def test_extraction_matrix_reduced(extraction_matrix, perf_session, target_model, perf_gate):
+    """The profile's eagle3.matrix.ci rows x engines (on embedded-cpu: transformers and reference-engine
+    features, served by the reference engine): a path that agrees by cosine must accept like the
+    engine's own features."""
+    p = extraction_matrix.plan
+    _run("ci", p.ci_rows, p.ci_engines, extraction_matrix, perf_session, target_model, perf_gate)
+
+
+@pytest.mark.matrix
+def test_extraction_matrix(extraction_matrix, perf_session, target_model, perf_gate):
+    """Every row of eagle3.matrix.rows (real paths and planted faults) x every engine of
+    eagle3.matrix.engines."""
+    p = extraction_matrix.plan
+    _run("full", p.rows, p.engines, extraction_matrix, perf_session, target_model, perf_gate)

@@ -1,0 +1,178 @@
+"""The extraction-path matrix's pieces without engines: row names, the profile section, the per-cell
+gates, the planted feature faults (post-norm, int8, offset) on a tiny random Llama, the report, and
+the digests that keep existing drafters valid when these options exist but are unused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kimi_perf.eagle3.matrix import (
+    LayerAgreement,
+    MatrixCell,
+    MatrixPlan,
+    cell_decision,
+    judge,
+    own_row,
+    parse_row,
+    render_heatmap,
+    render_markdown,
+)
+
+ENGINES = {"reference": {"kind": "reference"}, "vllm": {"kind": "vllm"}}
+
+
+def test_row_names_parse_to_a_path_and_at_most_one_planted_fault():
+    assert parse_row("vllm").backend == "vllm-extract" and not parse_row("vllm").planted
+    r = parse_row("hf+offset1")
+    assert (r.base, r.layer_offset, r.transform, r.planted) == ("hf", 1, "none", True)
+    assert parse_row("reference+offset-1").layer_offset == -1
+    assert parse_row("hf+postnorm").transform == "postnorm"
+    assert parse_row("hf+int8").transform == "int8"
+    for bad in ("sglangx", "hf+int4", "hf+offset0", "hf+postnorm+int8", ""):
+        with pytest.raises(ValueError):
+            parse_row(bad)
+
+
+def test_plan_rejects_what_it_cannot_run_with_the_fix():
+    ok = MatrixPlan.from_section({"rows": ["hf", "vllm"], "engines": ["reference"],
+                                  "ci": {"rows": ["hf"], "engines": ["reference"]}}, ENGINES)
+    assert [r.name for r in ok.ci_rows] == ["hf"] and ok.accept_tolerance == 0.08
+    with pytest.raises(ValueError, match="no engine of the profile"):
+        MatrixPlan.from_section({"rows": ["vllm"], "engines": ["reference"]}, {"reference": {"kind": "reference"}})
+    with pytest.raises(ValueError, match="profile's engines"):
+        MatrixPlan.from_section({"rows": ["hf"], "engines": ["sglang"]}, ENGINES)
+    with pytest.raises(ValueError, match="unknown key"):
+        MatrixPlan.from_section({"rows": ["hf"], "engines": ["reference"], "tolerance": 0.1}, ENGINES)
+    with pytest.raises(ValueError, match="fraction"):
+        MatrixPlan.from_section({"rows": ["hf"], "engines": ["reference"], "accept_tolerance": 5}, ENGINES)
+    assert own_row("vllm") == "vllm" and own_row("reference") == "reference"
+
+
+GOOD = (LayerAgreement(2, 0.9999, 0.999), LayerAgreement(15, 0.998, 0.997))
+OFF = (LayerAgreement(2, 0.81, 0.999), LayerAgreement(15, 0.998, 0.997))
+
+
+@pytest.mark.parametrize("row,layers,al,own_al,resolvable,want,phrase", [
+    ("hf", GOOD, 2.0, 2.05, 1.5, "PASS", "aligned"),
+    ("hf", GOOD, 1.7, 2.0, 1.5, "FAIL", "loses acceptance"),  # cosine passed, acceptance did not
+    ("vllm", OFF, 1.9, 2.0, 1.5, "FAIL", "disagree with"),  # a real path off by cosine is the finding
+    ("hf+offset1", OFF, 1.5, 2.0, 1.5, "PASS", "and in acceptance"),
+    ("hf+offset1", OFF, 1.98, 2.0, 1.5, "FAIL", "acceptance held"),
+    ("hf+offset1", OFF, 1.28, 1.30, 1.5, "INCONCLUSIVE", "too weak"),
+    ("hf+int8", GOOD, 2.0, 2.0, 1.5, "FAIL", "cannot see it"),
+])
+def test_cell_gates(row, layers, al, own_al, resolvable, want, phrase):
+    verdict, reason = judge(parse_row(row), "reference", layers, al, own_al, tolerance=0.08, resolvable=resolvable)
+    assert verdict == want, reason
+    assert phrase in reason
+
+
+def test_the_engines_own_path_must_agree_with_its_inference_states():
+    assert judge(parse_row("reference"), "reference", GOOD, 1.3, 1.3, tolerance=0.08, resolvable=1.5,
+                 own=True)[0] == "PASS"
+    v, why = judge(parse_row("vllm"), "vllm", OFF, 1.3, 1.3, tolerance=0.08, resolvable=1.5, own=True)
+    assert v == "FAIL" and "own path" in why
+
+
+def _cells():
+    mk = lambda row, eng, layers, al, v: MatrixCell(row, eng, parse_row(row).planted, layers, al, (0.3, 0.1, 0.05),  # noqa: E731
+                                                   1.3, v, f"because {row}")
+    return [mk("hf", "reference", GOOD, 1.31, "PASS"), mk("hf+offset1", "reference", OFF, 1.2, "INCONCLUSIVE"),
+            mk("hf", "vllm", GOOD, 1.29, "PASS")]
+
+
+def test_report_table_heatmap_and_decision_carry_every_cell(tmp_path):
+    cells = _cells()
+    md = render_markdown(cells)
+    assert "| extraction path | reference | vllm |" in md
+    assert "| hf+offset1 | cos 0.8100✗ / 0.9980; AL 1.200 (0.300); **INCONCLUSIVE** | - |" in md
+    assert "- hf+offset1 -> reference: INCONCLUSIVE: because hf+offset1" in md
+    png = render_heatmap(cells, tmp_path / "m.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    d = cell_decision(cells[1], 0.08)
+    assert (d.metric, d.verdict, d.baseline, d.current) == ("accept_length", "INCONCLUSIVE", 1.3, 1.2)
+    assert "hf+offset1 -> reference" in d.message() and "because hf+offset1" in d.message()
+    assert json.loads(json.dumps(cells[1].to_json()))["aligned"] is False
+
+
+def test_new_options_leave_existing_digests_alone():
+    """Shipped and cached drafters are keyed by these digests: an option that exists but is unused must
+    not change them (the embedded-cpu recipe's are in its shipped bundle's name)."""
+    from kimi_perf.eagle3.data import DataConfig
+    from kimi_perf.eagle3.features import FeatureSpec
+
+    assert FeatureSpec(backend="hf", dtype="bfloat16").digest() == "03d0b33f6cff"
+    assert FeatureSpec(transform="int8").digest() != FeatureSpec().digest()
+    assert FeatureSpec(server_model="x", server_url="http://y").digest() == FeatureSpec().digest()
+    cpu = DataConfig(max_new_tokens=128, max_train_items=160, concurrency=32, max_heldout_items=12)
+    assert cpu.digest() == "9b84de8d53f8"
+    assert DataConfig(followups=2).digest() != DataConfig().digest()
+    assert DataConfig(followups=2).generation_digest() == DataConfig().generation_digest()
+
+
+def test_followups_extend_training_conversations_only(monkeypatch):
+    from kimi_perf.data import Conversation
+    from kimi_perf.eagle3 import data as d
+
+    convs = [Conversation(f"c{i}", "x", "chat", (f"q{i}",)) for i in range(40)]
+    monkeypatch.setattr(d, "_conversations", lambda sources: convs)
+    monkeypatch.setattr(d, "stable_split", lambda cid, frac: "heldout" if cid in ("c0", "c1") else "train")
+    items = d.build_items(d.DataConfig(followups=3, heldout_sources=("x",)))
+    train = [i for i in items if i.split == "train"]
+    assert len(train) == 38 * 4 and {i.turn for i in train} == {1, 2, 3, 4}
+    t4 = next(i for i in train if i.id == "c5-t4")
+    assert t4.turns[0] == "q5" and all(t in d.FOLLOWUPS for t in t4.turns[1:]) and len(set(t4.turns)) == 4
+    assert {i.id for i in items if i.split == "heldout"} == {"c0-t1", "c1-t1"}
+    # which follow-ups a conversation gets is fixed by its id, not by the run
+    assert d._followups("c5", 3) == d._followups("c5", 3) and d._followups("c5", 3) != d._followups("c6", 3)
+
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny")
+    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # non-trivial norm weights, so post-norm differs from a plain rescale
+        for layer in m.model.layers:
+            layer.input_layernorm.weight.uniform_(0.5, 1.5)
+    m.save_pretrained(out)
+    return out
+
+
+def test_planted_faults_change_the_features_as_named(tiny):
+    from kimi_perf.alignment.compare import compare_layer
+    from kimi_perf.eagle3.features import FeaturePath, FeatureSpec
+
+    ids = list(range(3, 40))
+    base = FeaturePath(FeatureSpec(dtype="float32"), tiny)
+    good = base.by_layer(ids)
+    assert base.layers == (2, 4, 5)  # [2, N//2, N-3] of 8 layers
+    off = FeaturePath(FeatureSpec(dtype="float32", layer_offset=1), tiny)
+    assert off.captured == tuple(k + 1 for k in off.layers)
+    shifted = off.by_layer(ids)
+    nxt = FeaturePath(FeatureSpec(dtype="float32", layers=tuple(k + 1 for k in base.layers)), tiny).by_layer(ids)
+    for a, b in zip(shifted.values(), nxt.values()):
+        assert torch.equal(a, b)  # labelled k, holds k+1
+    post = FeaturePath(FeatureSpec(dtype="float32", transform="postnorm"), tiny).by_layer(ids)
+    from safetensors.torch import load_file
+
+    w = load_file(str(tiny / "model.safetensors"))
+    for k in base.layers:
+        x = good[k]
+        want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w[f"model.layers.{k}.input_layernorm.weight"]
+        assert torch.allclose(post[k], want, atol=1e-5)
+        assert compare_layer(post[k].numpy(), x.numpy()).cos_min < 0.999
+    q = FeaturePath(FeatureSpec(dtype="float32", transform="int8"), tiny).by_layer(ids)
+    for k in base.layers:
+        scale = good[k].abs().max() / 127
+        assert torch.allclose(q[k] / scale, torch.round(q[k] / scale), atol=1e-3)  # on the int8 grid
+        assert (q[k] - good[k]).abs().max() <= scale / 2 + 1e-6
