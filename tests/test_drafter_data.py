@@ -77,3 +77,46 @@ def test_a_follow_up_turn_waits_only_for_its_own_conversation(tok, scripted_serv
     assert by["a-t2"]["t_in"] < by["b-t1"]["t_out"], (
         f"a-t2 was sent {by['a-t2']['t_in'] - by['b-t1']['t_out']:+.2f}s after the slow b-t1 finished")
     assert by["b-t2"]["t_in"] >= by["b-t1"]["t_out"]
+
+
+def _fake_sdist(tmp_path, rows):
+    import io
+    import tarfile
+
+    body = ("\n".join(json.dumps(r) for r in rows) + "\n").encode()
+    path = tmp_path / "instructlab-0.26.1.tar.gz"
+    with tarfile.open(path, "w:gz") as tf:
+        info = tarfile.TarInfo("instructlab-0.26.1/scripts/test-data/train_all_pruned_SDG.jsonl")
+        info.size = len(body)
+        tf.addfile(info, io.BytesIO(body))
+    return path
+
+
+def test_instructlab_prompts_are_user_turns_deduplicated_and_pinned(tmp_path, monkeypatch):
+    """The instructlab source keeps user turns only (responses are regenerated), drops the generator's
+    placeholder tags and duplicates, refuses an archive whose sha256 is not the pinned one, and orders
+    conversations by content hash so a max_train_items cap takes a mix of tasks."""
+    import hashlib
+
+    from kimi_perf import data
+
+    msg = lambda role, text: {"role": role, "content": text}  # noqa: E731
+    rows = [
+        {"messages": [msg("system", "be nice"), msg("user", "Rhyme with grace\n<nopace>"), msg("assistant", "space")]},
+        {"messages": [msg("user", "Rhyme with grace"), msg("assistant", "lace")]},  # same prompt once cleaned
+        {"messages": [msg("user", "State the specificity\n<noinput>\n\nData: 91%"), msg("assistant", "91%")]},
+        {"messages": [msg("user", "Two turns"), msg("assistant", "a"), msg("user", "second"), msg("assistant", "b")]},
+    ]
+    sdist = _fake_sdist(tmp_path, rows)
+    with pytest.raises(RuntimeError, match="does not match the pinned"):
+        data.fetch_instructlab(tmp_path / "d1", sdist=sdist)
+    monkeypatch.setattr(data, "INSTRUCTLAB_SDIST_SHA256", hashlib.sha256(sdist.read_bytes()).hexdigest())
+    out = data.fetch_instructlab(tmp_path / "d2", sdist=sdist)
+    got = [json.loads(line)["turns"] for line in out.read_text().splitlines()]
+    assert got == [["Rhyme with grace"], ["State the specificity\n\n\nData: 91%"], ["Two turns", "second"]]
+    monkeypatch.setattr(data, "data_dir", lambda: tmp_path / "d2")
+    convs = data.load_instructlab()
+    assert [c.id for c in convs] == sorted(c.id for c in convs) and {c.source for c in convs} == {"instructlab"}
+    monkeypatch.setattr(data, "data_dir", lambda: tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="fetch --instructlab"):
+        data.load_instructlab()

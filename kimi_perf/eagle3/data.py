@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..data import Conversation, load_mtbench, load_sharegpt, stable_split
+from ..data import Conversation, load_instructlab, load_mtbench, load_sharegpt, stable_split
 from ..progress import log
 
 __all__ = ["FOLLOWUPS", "DataConfig", "PromptItem", "Sample", "build_items", "generate_samples", "read_samples"]
@@ -104,8 +104,10 @@ def _conversations(sources: Sequence[str]) -> list[Conversation]:
                 if c.turns not in seen:
                     seen.add(c.turns)
                     out.append(c)
+        elif src == "instructlab":
+            out += load_instructlab()
         else:
-            raise ValueError(f"unknown data source {src!r}: use mtbench or sharegpt")
+            raise ValueError(f"unknown data source {src!r}: use mtbench, sharegpt or instructlab")
     return out
 
 
