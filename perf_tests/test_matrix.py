@@ -24,10 +24,9 @@ pytestmark = [pytest.mark.perf, pytest.mark.eagle]
 
 
 def _run(label: str, rows, engines, extraction_matrix, perf_session, target_model, perf_gate) -> None:
+    from fixtures.matrix import cell_samples
     from kimi_perf.eagle3.matrix import cell_decision, render_heatmap, render_markdown, write_json
     from kimi_perf.keys import matrix_workload
-
-    from fixtures.matrix import cell_samples
 
     cells = extraction_matrix.cells(rows, engines)
     title = f"EAGLE-3 extraction path x serving engine ({label}, {perf_session.profile.name})"
