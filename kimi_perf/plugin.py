@@ -60,6 +60,7 @@ from .session import (
     get_session,
     needs_session,
     server_affine_order,
+    session_for_params,
 )
 
 # the names other modules (fixtures/, perf_tests/, tests/) import from the registered plugin module
@@ -67,6 +68,7 @@ __all__ = [
     "DEFAULT_ENGINES_HELP", "MARKERS", "MISSING_KEY", "PROP", "SESSION_KEY", "PerfCollector", "PerfGate",
     "PerfRegression", "PerfSession", "PerfWarning", "_DEFAULT", "_INI", "_SESSION_FIXTURES", "_build_session",
     "_finite", "_ini_help", "_opt", "activate", "get_session", "needs_session", "perf_gate", "perf_session",
+    "session_for_params",
 ]
 
 
@@ -131,11 +133,8 @@ def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if _PARAM_FIXTURES.isdisjoint(metafunc.fixturenames):
         return
-    try:
-        s = activate(metafunc.config)
-    except pytest.UsageError:
-        # left unparametrized: if the test is selected, _switch raises the error as a usage error
-        # (here it would only be a collection error of this module, and a deselected test needs nothing)
+    s = session_for_params(metafunc.config)
+    if s is None:
         return
     if "perf_engine_name" in metafunc.fixturenames:
         kinds = getattr(metafunc.function, "perf_engine_kinds", None)
@@ -156,12 +155,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("perf_concurrency", list(conc), ids=[f"c{c}" for c in conc])
 
 
+def _markexpr_names(config: pytest.Config) -> set[str]:
+    """The words of the ``-m`` expression (marker names, and/or/not), for "did the run name marker X"."""
+    return set(str(config.getoption("markexpr", "") or "").replace("(", " ").split())
+
+
 @pytest.hookimpl(trylast=True)  # after -m/-k deselection: only the selected tests decide
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     s = _switch(config, items)
     if s is None:
         return
-    if "matrix" not in str(config.getoption("markexpr", "") or "").replace("(", " ").split():
+    named = _markexpr_names(config)
+    if "matrix" not in named:
         # the full extraction-path matrix trains ~6 drafters (~30 CPU minutes): an experiment run on
         # purpose (pytest -m matrix), not part of a merge gate; its reduced version is not marked
         mx = [i for i in items if i.get_closest_marker("matrix") is not None]
@@ -174,7 +179,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if ab_items:
             items[:] = [i for i in items if i.get_closest_marker("ab") is None]
             config.hook.pytest_deselected(items=ab_items)
-            if not items and "ab" in str(config.getoption("markexpr", "") or "").replace("(", " ").split():
+            if not items and "ab" in named:
                 raise pytest.UsageError("-m ab selects the same-run A/B tests, which need a base to compare "
                                         "against: add --perf-ab BASE (a profile variant, 'same' or git:REF)")
     need = s.profile.min_gpus if s.profile.hardware == "cuda" else 0

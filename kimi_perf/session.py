@@ -163,6 +163,17 @@ def activate(config: pytest.Config) -> PerfSession:
     return s
 
 
+def session_for_params(config: pytest.Config) -> PerfSession | None:
+    """:func:`activate` for ``pytest_generate_tests``: the session, built here if no earlier module needed
+    it, or None when the configuration is broken. The test is then left unparametrized; if it is
+    selected, ``_switch`` raises the same error as a usage error (here it would only be a collection
+    error of this module, and a deselected test needs nothing)."""
+    try:
+        return activate(config)
+    except pytest.UsageError:
+        return None
+
+
 def needs_session(item: pytest.Item) -> bool:
     return (item.get_closest_marker("perf") is not None or item.get_closest_marker("ab") is not None
             or not _SESSION_FIXTURES.isdisjoint(getattr(item, "fixturenames", ())))

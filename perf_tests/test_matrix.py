@@ -24,7 +24,6 @@ pytestmark = [pytest.mark.perf, pytest.mark.eagle]
 
 
 def _run(label: str, rows, engines, extraction_matrix, perf_session, target_model, perf_gate) -> None:
-    from fixtures.matrix import cell_samples
     from kimi_perf.eagle3.matrix import cell_decision, render_heatmap, render_markdown, write_json
     from kimi_perf.keys import matrix_workload
 
@@ -40,7 +39,7 @@ def _run(label: str, rows, engines, extraction_matrix, perf_session, target_mode
         d = cell_decision(c, extraction_matrix.plan.accept_tolerance)
         decisions += perf_gate.check(
             scenario="eagle3_matrix", engine=c.engine, model=target_model.name,
-            workload=matrix_workload(perf_session.profile, c.row), concurrency=1, samples=cell_samples(c),
+            workload=matrix_workload(perf_session.profile, c.row), concurrency=1, samples=c.samples(),
             gated=["accept_length"], dependent=["accept_length"], decided=[d], fail=False,
             extra={"cell": c.to_json(), "heatmap": str(png), **({"markdown": md} if i == len(cells) - 1 else {})})
     fails = [d for d in decisions if d.verdict == "FAIL"]

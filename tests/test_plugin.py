@@ -270,3 +270,20 @@ def test_an_option_value_taken_for_the_rootdir_is_refused_with_the_fix(tmp_path)
     assert f"write --perf-report-dir={out} as one argument" in r.stderr
     ok = subprocess.run([*cmd, f"--perf-report-dir={out}"], cwd=root, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+def test_one_perf_module_alone_is_parametrized_from_the_profile():
+    """``pytest perf_tests/test_eagle3.py`` alone: no earlier module builds the session, so the module's
+    own pytest_generate_tests must (kimi_perf.session.session_for_params). Reading the stash instead left
+    eagle3_engine unparametrized and the run ended in "fixture 'eagle3_engine' not found" (seen on the H200)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                        "perf_tests/test_eagle3.py", "perf_tests/test_engine_alignment.py"],
+                       cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "perf_tests/test_eagle3.py::test_acceptance[reference]" in r.stdout
+    assert "perf_tests/test_engine_alignment.py::test_engine_alignment_vs_hf[reference]" in r.stdout

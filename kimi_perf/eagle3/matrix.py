@@ -176,6 +176,13 @@ class MatrixCell:
     def cos_min(self) -> float:
         return min(a.cos_min for a in self.layers)
 
+    def samples(self) -> dict[str, list[float]]:
+        """The cell's measured metrics, one sample each (one deterministic decode), for the gate."""
+        out = {"accept_length": [self.accept_length], "cosine_min": [self.cos_min]}
+        for i, r in enumerate(self.pos_rates):
+            out[f"accept_rate_pos{i}"] = [r]
+        return out
+
     def to_json(self) -> dict[str, Any]:
         return {"row": self.row, "engine": self.engine, "planted": self.planted, "aligned": self.aligned,
                 "layers": {str(a.layer): {"cosine_min": a.cos_min, "threshold": a.threshold} for a in self.layers},
