@@ -96,6 +96,27 @@ build_sglang() {
     starlette msgspec pydantic pyzmq tqdm ipython aiohttp triton
 }
 
+# Disk first: a full disk fails pip minutes in, mid-write, with "[Errno 28] No space left on device" and
+# a half-built venv (seen on a CI machine). Sizes measured on 2026-12-04 from a clean clone: .venv 1.7 GB,
+# .venv-vllm 3.4 GB, .venv-sglang-parser 2.3 GB, the cache's converted model and prompt data 0.8 GB;
+# pip unpacks each wheel next to its venv before it installs, so 1 GB more is kept free.
+need_mb=1024
+[ -x "$VENV/bin/python" ] || need_mb=$((need_mb + 1700))
+if ((full)); then
+  [ "${KIMI_PERF_SKIP_VLLM:-0}" = 1 ] || [ -x .venv-vllm/bin/python ] || need_mb=$((need_mb + 3400))
+  [ "${KIMI_PERF_SKIP_SGLANG_PARSER:-0}" = 1 ] || [ -x .venv-sglang-parser/bin/python ] || need_mb=$((need_mb + 2300))
+fi
+cache=${KIMI_PERF_CACHE:-$HOME/.cache/kimi-perf}
+[ -d "$cache" ] || need_mb=$((need_mb + 800))
+free_mb=$(df -Pm . | awk 'NR == 2 {print $4}')
+if [ -n "$free_mb" ] && ((free_mb < need_mb)); then
+  say "disk: $free_mb MB free on $(df -P . | awk 'NR == 2 {print $6}'), this setup needs about $need_mb MB"
+  say "free space there, set KIMI_PERF_VENV / KIMI_PERF_CACHE to a larger disk, or skip the engine venvs" \
+    "(KIMI_PERF_SKIP_VLLM=1, KIMI_PERF_SKIP_SGLANG_PARSER=1)"
+  exit 1
+fi
+say "disk: $free_mb MB free, about $need_mb MB needed"
+
 # The engine venvs start first and build while .venv does: pip is single-threaded (unpacking and
 # byte-compiling, not downloading, take most of its time), so one pip leaves the second core idle. With
 # --full from scratch on 2 cores (PyPI downloads never cached here): 119, 124 and 125 s this way (.venv
