@@ -244,6 +244,40 @@ def test_server_hidden_states_against_a_fake_0_5_17(tmp_path):
     assert "SGLang 0.5.17 serving EAGLE-3" in note and "entering layers [2, 15, 27]" in note
 
 
+def test_http_aux_feature_backend_reads_sglang_0_5_17_serving_eagle3(tmp_path):
+    """The pipeline's http-aux backend (an SGLang extraction row of the matrix) takes the prompt's rows
+    through the alignment capture's request and naming: one generated token, prompt rows only, layers by
+    SGLang's id rule; a server returning other layers is refused with the flags to fix it."""
+    from kimi_perf.eagle3.features import _HTTPAuxBackend
+
+    resp = fixture("generate_eagle3_return_hidden_states.json")
+    resp = {**resp, "output_ids": resp["output_ids"][:1]}  # max_new_tokens 1 (a verify step may add rows)
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(DRAFT_CFG))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30}))
+    info = {**fixture("server_info_eagle3.json"), "speculative_draft_model_path": str(tmp_path / "draft"),
+            "model_path": str(tmp_path)}
+    seen = []
+
+    def handle(_r, path, _q, body):
+        if path == "/server_info":
+            return 200, "application/json", json.dumps(info)
+        req = json.loads(body)
+        seen.append(req["sampling_params"]["max_new_tokens"])
+        return 200, "application/json", json.dumps(resp)
+
+    ids = [1, 3923, 374, 279, 6864]
+    with serve(handle) as url:
+        be = _HTTPAuxBackend(url, (2, 15, 27), 4, 30)
+        aux, final, _ = be(ids)
+        with pytest.raises(RuntimeError, match=r"returns layers \[2, 15, 27\].*want entering layers \[3, 16, 28\]"):
+            _HTTPAuxBackend(url, (3, 16, 28), 4, 30)
+    assert seen == [1] and final is None and "SGLang 0.5.17 serving EAGLE-3" in be.version
+    assert tuple(aux.shape) == (5, 12)
+    assert aux[:, 0].tolist() == pytest.approx(100 + np.arange(5))  # layer 2 = the packed row's first slot
+    assert aux[0, 8:].tolist() == pytest.approx([300.0, 300.1, 300.2, 300.3])  # layer 27, third slot
+
+
 # -- items 2 and 6: per-release flags and surfaced warnings ---------------------------------------------
 
 def test_sglang_0_5_17_renders_the_h200_launch():

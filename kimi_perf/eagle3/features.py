@@ -10,8 +10,10 @@ Backends:
 - ``hf``: one full-sequence transformers forward over prompt + response, forward pre-hooks on the
   decoder layers (the usual way training data is captured);
 - ``reference``: the reference engine's own runner in one prefill over the sequence;
-- ``http-aux``: an SGLang-style server in aux mode (``--enable-return-aux-hidden-states``): a prefill
-  of the sequence with ``return_hidden_states`` returns the aux rows (SGLang 0.5.23 or ours).
+- ``http-aux``: an SGLang-layout server that returns aux rows: a prefill of the sequence with
+  ``return_hidden_states`` (the reference engine or SGLang 0.5.23 in aux mode,
+  ``--enable-return-aux-hidden-states``; SGLang 0.5.17 serving EAGLE-3, whose rows are the drafter's
+  aux layers).
 
 - ``vllm-extract``: vLLM's ``extract_hidden_states`` speculative method (``server_url``/``server_model``:
   a server started with it for these layers): one prefill-only completion per sample; its rows are
@@ -119,44 +121,43 @@ class _ReferenceBackend:
 
 
 class _HTTPAuxBackend:
-    """Prefill-only requests to an aux-mode server; rows of the 2-D prefill block are the features."""
+    """Prefill-only requests to an SGLang-layout server that returns aux rows: the reference engine or
+    SGLang 0.5.23 in aux mode, or SGLang serving EAGLE-3 with ``return_hidden_states`` (0.5.17 has no aux
+    mode; its rows are then the drafter's aux layers). The request and the layer naming are the
+    alignment capture's (:mod:`kimi_perf.alignment.server`), so training features and the alignment
+    tests read a server the same way."""
 
-    def __init__(self, url: str, layers: tuple[int, ...], hidden: int) -> None:
+    def __init__(self, url: str, layers: tuple[int, ...], hidden: int, num_layers: int) -> None:
+        from ..alignment.server import server_info, server_layers
+
         self.url = url.rstrip("/")
         self.layers = layers
         self.hidden = hidden
-        self.version = self._version()
-
-    def _version(self) -> str:
-        import urllib.request
-
+        self.num_layers = num_layers
         try:
-            with urllib.request.urlopen(self.url + "/server_info", timeout=10) as r:  # noqa: S310 - loopback
-                info = json.loads(r.read())
-        except OSError as e:
-            raise RuntimeError(f"http-aux backend: {self.url}/server_info unreachable: {e}") from None
-        if not info.get("enable_return_aux_hidden_states"):
-            raise RuntimeError(f"{self.url} was not started with --enable-return-aux-hidden-states "
-                               "(SGLang: add --enable-return-aux-hidden-states --speculative-algorithm EAGLE3)")
-        got = tuple(info.get("return_aux_hidden_state_layer_ids") or ())
-        if got and got != self.layers:
-            raise RuntimeError(f"{self.url} returns aux layers {got}, features want {self.layers}: restart it "
-                               f"with --return-aux-hidden-state-layer-ids {','.join(map(str, self.layers))}")
-        return f"{info.get('engine', 'sglang')} {info.get('version')}"
+            info = server_info(self.url)
+            plan = server_layers(info, num_layers=num_layers)
+        except Exception as e:  # noqa: BLE001 - AlignmentSetupError or OSError: both say the server is wrong
+            raise RuntimeError(f"http-aux backend: {self.url}: {e}") from None
+        missing = [k for k in layers if k not in plan.layers]
+        if missing:
+            raise RuntimeError(
+                f"http-aux backend: {self.url} returns layers {list(plan.layers)} ({plan.how}); the features "
+                f"want entering layers {list(layers)}: start the reference engine or SGLang 0.5.23 with "
+                "--enable-return-aux-hidden-states --return-aux-hidden-state-layer-ids for them, or serve "
+                "SGLang 0.5.17 EAGLE-3 with a drafter whose aux layers they are and --enable-return-hidden-states")
+        self.version = f"{info.get('engine', 'sglang')} {info.get('version')} ({plan.how})"
 
     def __call__(self, ids: list[int]) -> tuple[torch.Tensor, None, None]:
-        import urllib.request
+        from ..alignment.server import server_hidden_states
 
-        body = {"input_ids": ids, "return_hidden_states": True,
-                "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
-        req = urllib.request.Request(self.url + "/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=600) as r:  # noqa: S310 - loopback
-            meta = json.loads(r.read())["meta_info"]
-        block = torch.tensor(meta["hidden_states"][0], dtype=torch.float32)
+        # one generated token: the rows cover the prompt exactly (prompt + output[:-1])
+        hs = server_hidden_states(self.url, [ids], 1, hidden=self.hidden, concurrent=False,
+                                  num_layers=self.num_layers)[0]
+        block = torch.cat([torch.as_tensor(hs.get(k), dtype=torch.float32) for k in self.layers], dim=-1)
         if block.shape != (len(ids), len(self.layers) * self.hidden):
             raise RuntimeError(f"aux block shape {tuple(block.shape)} != ({len(ids)}, {len(self.layers) * self.hidden})")
-        # aux mode returns no final-norm output; the trainer needs it for target logits, so the caller
+        # no final-norm output comes with aux rows; the trainer needs it for target logits, so the caller
         # pairs these rows with a local reference-runner final hidden (same weights)
         return block, None, None
 
@@ -263,7 +264,7 @@ class FeaturePath:
             if not spec.server_url:
                 raise ValueError(f"{spec.backend} features need FeatureSpec.server_url (a running server)")
             if spec.backend == "http-aux":
-                self.be = _HTTPAuxBackend(spec.server_url, self.captured, self.hidden)
+                self.be = _HTTPAuxBackend(spec.server_url, self.captured, self.hidden, n)
             else:
                 self.be = _VLLMExtractBackend(spec.server_url, spec.server_model or "", self.captured)
             self.final_be = _ReferenceBackend(model_dir, (n,), dtype, spec.device, max_len)
