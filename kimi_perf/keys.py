@@ -141,8 +141,9 @@ def _alignment_problem(profile: Profile, key: BaselineKey) -> str | None:
 
 
 def _matrix_problem(profile: Profile, key: BaselineKey) -> str | None:
-    """perf_tests/test_matrix.py: one key per cell, workload EAGLE3_WORKLOAD:ROW, engine = serving engine."""
-    from .eagle3.matrix import MatrixPlan
+    """perf_tests/test_matrix.py: one key per cell, workload EAGLE3_WORKLOAD:ROW, engine = serving engine;
+    the retraining-noise keys likewise, ROW being the engine's own-features row."""
+    from .eagle3.matrix import MatrixPlan, own_row
 
     raw = (profile.eagle3 or {}).get("matrix")
     if not raw:
@@ -152,9 +153,15 @@ def _matrix_problem(profile: Profile, key: BaselineKey) -> str | None:
     except ValueError as e:
         return f"the profile's eagle3.matrix section is invalid: {e}"
     if key.concurrency != 1:
-        return f"eagle3_matrix runs at concurrency 1, not {key.concurrency}"
+        return f"{key.scenario} runs at concurrency 1, not {key.concurrency}"
     rows = {r.name for r in (*plan.rows, *plan.ci_rows)}
     engines = {*plan.engines, *plan.ci_engines}
+    if key.scenario == "eagle3_matrix_retrain":
+        # test_matrix_retrain_noise: one key per engine of the full matrix, its own-features row
+        engines = set(plan.engines)
+        if key.engine not in engines:
+            return f"engine {key.engine!r} is not a column of eagle3.matrix.engines ({sorted(engines)})"
+        rows = {own_row(str(profile.engines[key.engine].get("kind")))}
     if key.engine not in engines:
         return f"engine {key.engine!r} is not a column of eagle3.matrix ({sorted(engines)})"
     prefix = eagle3_workload(profile) + ":"
@@ -207,7 +214,7 @@ def unreachable(profile: Profile, key: BaselineKey) -> str | None:
             return f"{s} runs at concurrency 1, not {key.concurrency}"
         want = eagle3_workload(profile)
         return None if key.workload == want else f"workload {key.workload!r}: the profile's {s} runs {want!r}"
-    if s == "eagle3_matrix":
+    if s in ("eagle3_matrix", "eagle3_matrix_retrain"):
         return _matrix_problem(profile, key)
     if s.startswith("alignment_"):
         return _alignment_problem(profile, key)

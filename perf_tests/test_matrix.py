@@ -8,6 +8,10 @@ of the drafter trained on the row's features, served by that engine; kimi_perf.e
 gates. Baselines key each cell by extraction path (the workload's suffix) and serving engine (the key's
 engine), so the history of every cell is kept.
 
+The aligned-path gate's tolerance is measured too: ``test_matrix_retrain_noise`` (marker ``matrix``)
+trains each engine's own-features drafter with several seeds on the same samples and checks that
+retraining alone stays inside the tolerance (kimi_perf.eagle3.matrix.RetrainNoise).
+
 Two sizes: ``test_extraction_matrix_reduced`` runs the profile's ``eagle3.matrix.ci`` rows and engines
 (two paths, one engine on embedded-cpu: one extra drafter, ~4 CPU minutes) on every merge; the full
 matrix (~6 drafters, two engines, under 30 CPU minutes) is marked ``matrix`` and runs only when ``-m``
@@ -61,3 +65,33 @@ def test_extraction_matrix(extraction_matrix, perf_session, target_model, perf_g
     eagle3.matrix.engines."""
     p = extraction_matrix.plan
     _run("full", p.rows, p.engines, extraction_matrix, perf_session, target_model, perf_gate)
+
+
+@pytest.mark.matrix
+def test_matrix_retrain_noise(extraction_matrix, perf_session, target_model, perf_gate):
+    """Each matrix engine's own-features drafter, trained with eagle3.matrix.retrain_seeds seeds on the
+    same samples and features: no seed may fall further below another than accept_tolerance, or the
+    aligned-path gate fails real paths by chance (and a planted drop inside that spread proves nothing)."""
+    import json
+
+    from kimi_perf.eagle3.matrix import noise_decision
+    from kimi_perf.keys import matrix_workload
+
+    p = extraction_matrix.plan
+    decisions, out = [], []
+    for engine in p.engines:
+        noise = extraction_matrix.retrain_noise(engine)
+        d = noise_decision(noise)
+        log(d.message())
+        out.append(noise.to_json())
+        decisions += perf_gate.check(
+            scenario="eagle3_matrix_retrain", engine=engine, model=target_model.name,
+            workload=matrix_workload(perf_session.profile, noise.row), concurrency=1,
+            samples={"accept_length": list(noise.accept_lengths)}, gated=["accept_length"], decided=[d], fail=False,
+            extra={"retrain_noise": noise.to_json()})
+    path = perf_session.report_dir / "eagle3-matrix-retrain-noise.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"profile": perf_session.profile.name, "engines": out}, indent=1) + "\n")
+    fails = [d for d in decisions if d.verdict == "FAIL"]
+    if fails and not perf_session.update:
+        pytest.fail("matrix retraining noise:\n  " + "\n  ".join(d.message() for d in fails), pytrace=False)

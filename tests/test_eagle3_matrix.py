@@ -12,8 +12,10 @@ from kimi_perf.eagle3.matrix import (
     LayerAgreement,
     MatrixCell,
     MatrixPlan,
+    RetrainNoise,
     cell_decision,
     judge,
+    noise_decision,
     own_row,
     parse_row,
     render_heatmap,
@@ -48,6 +50,31 @@ def test_plan_rejects_what_it_cannot_run_with_the_fix():
     with pytest.raises(ValueError, match="fraction"):
         MatrixPlan.from_section({"rows": ["hf"], "engines": ["reference"], "accept_tolerance": 5}, ENGINES)
     assert own_row("vllm") == "vllm" and own_row("reference") == "reference"
+    assert ok.retrain_seeds == 3
+    sg = {**ENGINES, "sglang": {"kind": "sglang"}}
+    assert MatrixPlan.from_section({"rows": ["sglang", "sglang+int8"], "engines": ["sglang"]}, sg).rows[0].backend == "http-aux"
+    with pytest.raises(ValueError, match="cannot capture a layer offset"):
+        MatrixPlan.from_section({"rows": ["sglang+offset1"], "engines": ["sglang"]}, sg)
+    for bad in (1, 2.5, True, 40):
+        with pytest.raises(ValueError, match="retrain_seeds"):
+            MatrixPlan.from_section({"rows": ["hf"], "engines": ["reference"], "retrain_seeds": bad}, ENGINES)
+
+
+@pytest.mark.parametrize("als,want,phrase", [
+    # two seeds 10% apart: retraining alone fails an 8% gate, and the fix names the tolerance it needs
+    ((1.30, 1.17, 1.25), "FAIL", "at least 0.10"),
+    # within the tolerance but spread so wide that a fresh pair would often exceed it
+    ((1.30, 1.205, 1.25), "INCONCLUSIVE", "by chance"),
+    ((1.30, 1.29, 1.305), "PASS", "covers retraining noise"),
+])
+def test_retrain_noise_judges_the_tolerance_against_seed_spread(als, want, phrase):
+    n = RetrainNoise("reference", "reference", (0, 1, 2), als, 0.08)
+    assert len(n.drops) == 6 and n.max_drop == pytest.approx(1 - min(als) / max(als))
+    verdict, reason = n.judge()
+    assert verdict == want and phrase in reason, reason
+    d = noise_decision(n)
+    assert d.verdict == want and "retraining noise" in d.message() and "seed 1" in d.message()
+    assert json.loads(json.dumps(n.to_json()))["accept_lengths"] == list(als)
 
 
 GOOD = (LayerAgreement(2, 0.9999, 0.999), LayerAgreement(15, 0.998, 0.997))

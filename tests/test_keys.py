@@ -82,3 +82,16 @@ def test_eagle3_eval_prompts_fit_the_held_out_split(path):
     want = int(profile.eagle3.get("eval", {}).get("prompts", 8))
     assert want <= held, (f"{path.name}: eagle3.eval.prompts {want} > {held} held-out MT-bench prompts; "
                           f"set it to at most {held}")
+
+
+def test_matrix_retrain_noise_keys_are_the_engines_own_rows():
+    from kimi_perf.keys import matrix_workload
+
+    profile = load_profile(ROOT / "profiles" / "embedded-cpu.json")
+    for engine, row in (("reference", "reference"), ("vllm", "vllm")):
+        key = BaselineKey("eagle3_matrix_retrain", engine, profile.model.name, "cpu-x86_64-2c",
+                          matrix_workload(profile, row), 1)
+        assert unreachable(profile, key) is None
+    wrong = BaselineKey("eagle3_matrix_retrain", "reference", profile.model.name, "cpu-x86_64-2c",
+                        matrix_workload(profile, "hf"), 1)
+    assert "workload" in unreachable(profile, wrong)

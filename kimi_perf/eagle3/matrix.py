@@ -7,7 +7,7 @@ paths' hidden states (SpecForge: ``allclose(atol=0.1)``); none ties that to acce
 does, with everything else held fixed:
 
 - rows: the extraction path of the training features (transformers, the reference engine, vLLM's
-  ``extract_hidden_states``; and planted faults on a good path: one layer off, post-norm instead of
+  ``extract_hidden_states``, SGLang's EAGLE-3 capture; and planted faults on a good path: one layer off, post-norm instead of
   the residual stream, int8-rounded);
 - columns: the serving engine;
 - cell: per-layer cosine of the row's features against that engine's inference states (the row's path
@@ -25,6 +25,10 @@ Gates (:func:`judge`), per cell, against the drafter trained on the serving engi
 - a real path that fails the cosine gate against an engine is itself the finding: FAIL, naming the
   layers (the acceptance it costs is in the cell).
 
+The tolerance is itself measured, not assumed (:class:`RetrainNoise`): the own-features drafter trained
+with ``retrain_seeds`` seeds on the same samples must not differ from itself by more than the
+tolerance, or the aligned-path gate would fail real paths by chance.
+
 Nothing here imports torch: the fixture measures (fixtures/matrix.py), this module decides and draws.
 """
 
@@ -37,14 +41,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cell_decision", "MatrixCell", "MatrixPlan", "MatrixRow", "LayerAgreement", "judge", "parse_row", "render_heatmap",
-           "render_markdown"]
+__all__ = ["cell_decision", "MatrixCell", "MatrixPlan", "MatrixRow", "LayerAgreement", "RetrainNoise", "judge",
+           "noise_decision", "parse_row", "render_heatmap", "render_markdown"]
 
 # row base name -> (feature backend, the engine kind whose own features it is)
 PATHS: dict[str, tuple[str, str]] = {
     "hf": ("hf", "hf"),
     "reference": ("reference", "reference"),
     "vllm": ("vllm-extract", "vllm"),
+    # sglang 0.5.17 has no aux-only mode: its EAGLE-3 server's return_hidden_states rows (http-aux backend)
+    "sglang": ("http-aux", "sglang"),
 }
 FAULTS = ("offset", "postnorm", "int8")
 _ROW = re.compile(r"(?P<base>[a-z]+)(?:\+(?P<fault>offset(?P<k>-?\d+)|postnorm|int8))?")
@@ -66,7 +72,8 @@ class MatrixRow:
 
     def describe(self) -> str:
         what = {"hf": "transformers forward with pre-hooks", "reference": "reference engine prefill",
-                "vllm": "vLLM extract_hidden_states prefill"}[self.base]
+                "vllm": "vLLM extract_hidden_states prefill",
+                "sglang": "SGLang EAGLE-3 server, return_hidden_states prefill"}[self.base]
         if self.layer_offset:
             what += f", PLANTED: captured {self.layer_offset:+d} layer(s) off, labelled as intended"
         if self.transform == "postnorm":
@@ -99,11 +106,13 @@ class MatrixPlan:
     ci_engines: tuple[str, ...]
     accept_tolerance: float
     sources: str = ""
+    # how many training seeds test_matrix_retrain_noise trains each engine's own-features drafter with
+    retrain_seeds: int = 3
 
     @classmethod
     def from_section(cls, raw: Mapping[str, Any], engines: Mapping[str, Any]) -> MatrixPlan:
         """Validated; ValueError names the key and the fix."""
-        known = {"rows", "engines", "ci", "accept_tolerance"}
+        known = {"rows", "engines", "ci", "accept_tolerance", "retrain_seeds"}
         bad = set(raw) - known
         if bad:
             raise ValueError(f"unknown key(s) {sorted(bad)}; allowed: {sorted(known)}")
@@ -113,6 +122,9 @@ class MatrixPlan:
                 raise ValueError(f"{where} must be a non-empty list of row names, e.g. [\"hf\", \"hf+offset1\"]")
             out = tuple(parse_row(x) for x in v)
             for r in out:
+                if r.base == "sglang" and r.layer_offset:
+                    raise ValueError(f"{where}: row {r.name!r}: SGLang returns the served drafter's aux layers "
+                                     "only, so it cannot capture a layer offset; plant the offset on hf or reference")
                 if r.base not in ("hf", "reference") and r.base not in {str(e.get("kind")) for e in engines.values()}:
                     raise ValueError(f"{where}: row {r.name!r} extracts through {r.base}, which is no engine of "
                                      f"the profile ({sorted(engines)})")
@@ -133,7 +145,11 @@ class MatrixPlan:
         tol = raw.get("accept_tolerance", 0.08)
         if not isinstance(tol, (int, float)) or not 0 < tol < 1:
             raise ValueError(f"accept_tolerance {tol!r} must be a fraction in (0, 1), e.g. 0.08")
-        return cls(r, e, cr, ce, float(tol))
+        seeds = raw.get("retrain_seeds", 3)
+        if not isinstance(seeds, int) or isinstance(seeds, bool) or not 2 <= seeds <= 16:
+            raise ValueError(f"retrain_seeds {seeds!r} must be an integer from 2 to 16 (training seeds of the "
+                             "own-features drafter whose spread the tolerance must cover), e.g. 3")
+        return cls(r, e, cr, ce, float(tol), retrain_seeds=seeds)
 
 
 def own_row(engine_kind: str) -> str:
@@ -230,6 +246,87 @@ def judge(row: MatrixRow, engine: str, layers: Sequence[LayerAgreement], accept_
     return "PASS", f"aligned ({cos}); {rel_txt}"
 
 
+@dataclass(frozen=True)
+class RetrainNoise:
+    """The spread of one engine's own-features drafter over training seeds: the null distribution of the
+    aligned-path gate.
+
+    Two drafters trained on identical features and samples with different seeds differ in acceptance;
+    an aligned path's drafter differs from the own-features drafter at least that much, so a tolerance
+    inside this spread fails aligned paths by chance. Every ordered seed pair (i, j) is one aligned
+    comparison "i against j" as :func:`judge` makes it; its drop is ``1 - AL_i / AL_j``.
+    """
+
+    engine: str
+    row: str
+    seeds: tuple[int, ...]
+    accept_lengths: tuple[float, ...]
+    tolerance: float
+
+    @property
+    def mean(self) -> float:
+        return sum(self.accept_lengths) / len(self.accept_lengths)
+
+    @property
+    def rel_sd(self) -> float:
+        """Sample standard deviation over seeds relative to the mean."""
+        n, m = len(self.accept_lengths), self.mean
+        if n < 2 or m <= 0:
+            return float("nan")
+        return (sum((a - m) ** 2 for a in self.accept_lengths) / (n - 1)) ** 0.5 / m
+
+    @property
+    def drops(self) -> list[float]:
+        a = self.accept_lengths
+        return [1.0 - a[i] / a[j] for i in range(len(a)) for j in range(len(a)) if i != j]
+
+    @property
+    def max_drop(self) -> float:
+        return max(self.drops)
+
+    @property
+    def false_fail_observed(self) -> float:
+        """Fraction of ordered seed pairs whose drop exceeds the tolerance."""
+        d = self.drops
+        return sum(x > self.tolerance for x in d) / len(d)
+
+    @property
+    def false_fail_normal(self) -> float:
+        """P(one aligned comparison fails by chance) if seed-to-seed acceptance is normal with the
+        measured spread: the difference of two independent retrains has sd sqrt(2) * rel_sd, and the gate
+        fails the lower one by more than the tolerance."""
+        sd = self.rel_sd * 2 ** 0.5
+        if not sd > 0:
+            return 0.0
+        from math import erf
+
+        return 0.5 * (1.0 + erf(-self.tolerance / sd / 2 ** 0.5))
+
+    def judge(self, max_false_fail: float = 0.05) -> tuple[str, str]:
+        """FAIL when some seed pair already fails the gate (the tolerance is inside retraining noise);
+        INCONCLUSIVE when none does but the normal model puts the chance of a false FAIL above
+        ``max_false_fail``; PASS otherwise."""
+        als = ", ".join(f"seed {s}: {a:.3f}" for s, a in zip(self.seeds, self.accept_lengths))
+        what = (f"{self.row} drafter on {self.engine} over {len(self.seeds)} training seeds ({als}): spread "
+                f"{self.rel_sd:.1%} of the mean, largest seed-to-seed drop {self.max_drop:.1%}, tolerance "
+                f"{self.tolerance:.0%}; {self.false_fail_observed:.0%} of seed pairs exceed it, "
+                f"{self.false_fail_normal:.1%} of aligned comparisons would by the normal model")
+        if self.max_drop > self.tolerance:
+            need = self.max_drop
+            return "FAIL", (f"{what}: retraining alone fails the aligned-path gate; raise eagle3.matrix."
+                            f"accept_tolerance to at least {need:.2f} or make training steadier (more samples)")
+        if self.false_fail_normal > max_false_fail:
+            return "INCONCLUSIVE", (f"{what}: no seed pair exceeds the tolerance, but at this spread more than "
+                                    f"{max_false_fail:.0%} of aligned comparisons would fail by chance")
+        return "PASS", f"{what}: the tolerance covers retraining noise"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"engine": self.engine, "row": self.row, "seeds": list(self.seeds),
+                "accept_lengths": list(self.accept_lengths), "tolerance": self.tolerance, "rel_sd": self.rel_sd,
+                "max_drop": self.max_drop, "false_fail_observed": self.false_fail_observed,
+                "false_fail_normal": self.false_fail_normal}
+
+
 def render_markdown(cells: Sequence[MatrixCell], *, title: str = "EAGLE-3 extraction path x serving engine") -> str:
     """One table: rows = extraction paths, columns = serving engines; each cell min cosine per layer,
     accept length (pos-0 rate) and the verdict; the reasons follow the table."""
@@ -319,6 +416,19 @@ def cell_decision(cell: MatrixCell, tolerance: float) -> Any:
                         worse_by=None if delta is None else -delta, tolerance=tolerance, floor=None, noise=None,
                         p_value=None, n_baseline=1, n_current=1,
                         reason=f"matrix {cell.row} -> {cell.engine} (vs own-features drafter): {cell.reason}")
+
+
+def noise_decision(noise: RetrainNoise) -> Any:
+    """The retraining-noise verdict as a gate decision: the largest seed-to-seed drop against the
+    tolerance, with the reason."""
+    from ..stats import GateDecision
+
+    verdict, reason = noise.judge()
+    return GateDecision(metric="accept_length", unit="tok/step", direction="higher", verdict=verdict,  # type: ignore[arg-type]
+                        baseline=max(noise.accept_lengths), current=min(noise.accept_lengths),
+                        delta=-noise.max_drop, worse_by=noise.max_drop, tolerance=noise.tolerance, floor=None,
+                        noise=None, p_value=None, n_baseline=len(noise.seeds), n_current=len(noise.seeds),
+                        reason=f"matrix retraining noise, {noise.row} -> {noise.engine}: {reason}")
 
 
 def write_json(cells: Sequence[MatrixCell], path: Path, **meta: Any) -> Path:
