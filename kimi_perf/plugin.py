@@ -43,6 +43,7 @@ from .options import (
     _INI,
     DEFAULT_ENGINES_HELP,
     MARKERS,
+    OPT_IN_MARKERS,
     _ini_help,
     _opt,
     add_options,
@@ -166,12 +167,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if s is None:
         return
     named = _markexpr_names(config)
-    if "matrix" not in named:
-        # the full extraction-path matrix trains ~6 drafters (~30 CPU minutes): an experiment run on
-        # purpose (pytest -m matrix), not part of a merge gate; its reduced version is not marked
-        mx = [i for i in items if i.get_closest_marker("matrix") is not None]
+    # experiments run on purpose, not part of a merge gate: the full extraction-path matrix trains ~6
+    # drafters (~25 CPU minutes; its reduced version is not marked), its retraining-noise check 4 more
+    # (~18 CPU minutes); each runs only when -m names its marker
+    for marker in OPT_IN_MARKERS:
+        if marker in named:
+            continue
+        mx = [i for i in items if i.get_closest_marker(marker) is not None]
         if mx:
-            items[:] = [i for i in items if i.get_closest_marker("matrix") is None]
+            items[:] = [i for i in items if i.get_closest_marker(marker) is None]
             config.hook.pytest_deselected(items=mx)
     if s.ab is None:
         # the A/B tests compare against a base only --perf-ab names; without it they are not part of the run

@@ -8,7 +8,7 @@ of the drafter trained on the row's features, served by that engine; kimi_perf.e
 gates. Baselines key each cell by extraction path (the workload's suffix) and serving engine (the key's
 engine), so the history of every cell is kept.
 
-The aligned-path gate's tolerance is measured too: ``test_matrix_retrain_noise`` (marker ``matrix``)
+The aligned-path gate's tolerance is measured too: ``test_matrix_retrain_noise`` (marker ``matrix_noise``)
 trains each engine's own-features drafter with several seeds on the same samples and checks that
 retraining alone stays inside the tolerance (kimi_perf.eagle3.matrix.RetrainNoise).
 
@@ -67,7 +67,7 @@ def test_extraction_matrix(extraction_matrix, perf_session, target_model, perf_g
     _run("full", p.rows, p.engines, extraction_matrix, perf_session, target_model, perf_gate)
 
 
-@pytest.mark.matrix
+@pytest.mark.matrix_noise
 def test_matrix_retrain_noise(extraction_matrix, perf_session, target_model, perf_gate):
     """Each matrix engine's own-features drafter, trained with eagle3.matrix.retrain_seeds seeds on the
     same samples and features: no seed may fall further below another than accept_tolerance, or the

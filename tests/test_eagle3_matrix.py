@@ -203,3 +203,21 @@ def test_planted_faults_change_the_features_as_named(tiny):
         scale = good[k].abs().max() / 127
         assert torch.allclose(q[k] / scale, torch.round(q[k] / scale), atol=1e-3)  # on the int8 grid
         assert (q[k] - good[k]).abs().max() <= scale / 2 + 1e-6
+
+
+@pytest.mark.parametrize("expr,want", [
+    (None, {"test_extraction_matrix_reduced"}),  # the merge gate runs only the reduced matrix
+    ("matrix", {"test_extraction_matrix"}),
+    ("matrix_noise", {"test_matrix_retrain_noise"}),
+    ("matrix or matrix_noise", {"test_extraction_matrix", "test_matrix_retrain_noise"}),
+])
+def test_the_long_matrix_experiments_run_only_when_named(expr, want):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cmd = [sys.executable, "-m", "pytest", "perf_tests/test_matrix.py", "--collect-only", "-q", "-p", "no:cacheprovider"]
+    r = subprocess.run(cmd + (["-m", expr] if expr else []), cwd=Path(__file__).resolve().parents[1],
+                       capture_output=True, text=True, timeout=300)
+    got = {line.split("::")[-1] for line in r.stdout.splitlines() if "::" in line}
+    assert got == want, r.stdout + r.stderr
