@@ -7,8 +7,8 @@ paths' hidden states (SpecForge: ``allclose(atol=0.1)``); none ties that to acce
 does, with everything else held fixed:
 
 - rows: the extraction path of the training features (transformers, the reference engine, vLLM's
-  ``extract_hidden_states``, SGLang's EAGLE-3 capture; and planted faults on a good path: one layer off, post-norm instead of
-  the residual stream, int8-rounded);
+  ``extract_hidden_states``, SGLang's EAGLE-3 capture; and planted faults on a good path: one layer
+  off, post-norm instead of the residual stream, int8-rounded);
 - columns: the serving engine;
 - cell: per-layer cosine of the row's features against that engine's inference states (the row's path
   run on the engine's own generated sequences), and the acceptance of the drafter trained on the row's
