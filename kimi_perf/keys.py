@@ -154,16 +154,13 @@ def _matrix_problem(profile: Profile, key: BaselineKey) -> str | None:
         return f"the profile's eagle3.matrix section is invalid: {e}"
     if key.concurrency != 1:
         return f"{key.scenario} runs at concurrency 1, not {key.concurrency}"
-    rows = {r.name for r in (*plan.rows, *plan.ci_rows)}
-    engines = {*plan.engines, *plan.ci_engines}
-    if key.scenario == "eagle3_matrix_retrain":
-        # test_matrix_retrain_noise: one key per engine of the full matrix, its own-features row
-        engines = set(plan.engines)
-        if key.engine not in engines:
-            return f"engine {key.engine!r} is not a column of eagle3.matrix.engines ({sorted(engines)})"
-        rows = {own_row(str(profile.engines[key.engine].get("kind")))}
+    # test_matrix_retrain_noise: one key per engine of the full matrix, its own-features row
+    retrain = key.scenario == "eagle3_matrix_retrain"
+    engines = set(plan.engines) if retrain else {*plan.engines, *plan.ci_engines}
     if key.engine not in engines:
         return f"engine {key.engine!r} is not a column of eagle3.matrix ({sorted(engines)})"
+    rows = ({own_row(str(profile.engines[key.engine].get("kind")))} if retrain
+            else {r.name for r in (*plan.rows, *plan.ci_rows)})
     prefix = eagle3_workload(profile) + ":"
     if not key.workload.startswith(prefix) or key.workload[len(prefix):] not in rows:
         return f"workload {key.workload!r} is not {prefix}ROW with ROW one of eagle3.matrix rows {sorted(rows)}"

@@ -161,6 +161,15 @@ def _markexpr_names(config: pytest.Config) -> set[str]:
     return set(str(config.getoption("markexpr", "") or "").replace("(", " ").split())
 
 
+def _deselect_marked(config: pytest.Config, items: list[pytest.Item], marker: str) -> bool:
+    """Remove the items carrying ``marker`` (reported as deselected); whether there were any."""
+    gone = [i for i in items if i.get_closest_marker(marker) is not None]
+    if gone:
+        items[:] = [i for i in items if i.get_closest_marker(marker) is None]
+        config.hook.pytest_deselected(items=gone)
+    return bool(gone)
+
+
 @pytest.hookimpl(trylast=True)  # after -m/-k deselection: only the selected tests decide
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     s = _switch(config, items)
@@ -171,21 +180,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # drafters (~25 CPU minutes; its reduced version is not marked), its retraining-noise check 4 more
     # (~18 CPU minutes); each runs only when -m names its marker
     for marker in OPT_IN_MARKERS:
-        if marker in named:
-            continue
-        mx = [i for i in items if i.get_closest_marker(marker) is not None]
-        if mx:
-            items[:] = [i for i in items if i.get_closest_marker(marker) is None]
-            config.hook.pytest_deselected(items=mx)
-    if s.ab is None:
-        # the A/B tests compare against a base only --perf-ab names; without it they are not part of the run
-        ab_items = [i for i in items if i.get_closest_marker("ab") is not None]
-        if ab_items:
-            items[:] = [i for i in items if i.get_closest_marker("ab") is None]
-            config.hook.pytest_deselected(items=ab_items)
-            if not items and "ab" in named:
-                raise pytest.UsageError("-m ab selects the same-run A/B tests, which need a base to compare "
-                                        "against: add --perf-ab BASE (a profile variant, 'same' or git:REF)")
+        if marker not in named:
+            _deselect_marked(config, items, marker)
+    # the A/B tests compare against a base only --perf-ab names; without it they are not part of the run
+    if s.ab is None and _deselect_marked(config, items, "ab") and not items and "ab" in named:
+        raise pytest.UsageError("-m ab selects the same-run A/B tests, which need a base to compare "
+                                "against: add --perf-ab BASE (a profile variant, 'same' or git:REF)")
     need = s.profile.min_gpus if s.profile.hardware == "cuda" else 0
     missing = []
     if len(s.gpus) < need:

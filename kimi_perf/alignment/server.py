@@ -171,13 +171,8 @@ def server_layers(info: dict[str, Any], *, model_family: str | None = None, num_
             raise AlignmentSetupError(f"SGLang aux capture for {method.upper()} uses another layer "
                                       "convention (set_dflash_layers_to_capture); only the EAGLE3 convention "
                                       "is mapped here")
-        raw = info.get("return_aux_hidden_state_layer_ids")
-        ids = None if raw is None else [int(k) for k in raw]
-        conv = _sglang_convention(info, model_family)
-        layers = _served(ids, conv, _num_layers(info, num_layers))
-        return ServerLayers(layers, conv, None if ids is None else tuple(ids),
-                            f"SGLang {version} aux mode, ids {ids if ids is not None else 'default'} "
-                            f"-> entering layers {list(layers)} ({conv})")
+        return _sglang_ids_to_layers(info.get("return_aux_hidden_state_layer_ids"), info, model_family, num_layers,
+                                     f"SGLang {version} aux mode, ids")
     mode = info.get("return_hidden_states_mode")
     if not (info.get("enable_return_hidden_states") or mode == "full"):
         last = mode == "last"
@@ -204,13 +199,19 @@ def server_layers(info: dict[str, Any], *, model_family: str | None = None, num_
     if eagle.get("use_aux_hidden_state", True) is False:
         # spec_aux_hidden_state.py _resolve_eagle_aux_hidden_state: no aux capture, so the final state stays
         return ServerLayers(("final",), "final", None, f"SGLang {version} serving EAGLE-3 without aux states")
-    raw = eagle.get("eagle_aux_hidden_state_layer_ids")
+    return _sglang_ids_to_layers(eagle.get("eagle_aux_hidden_state_layer_ids"), info, model_family, num_layers,
+                                 f"SGLang {version} serving EAGLE-3: packed aux rows for drafter ids")
+
+
+def _sglang_ids_to_layers(raw: Any, info: dict[str, Any], model_family: str | None, num_layers: int | None,
+                          what: str) -> ServerLayers:
+    """SGLang aux ids (``raw``; None = its default [2, N//2, N-3]) named in the suite's convention by the
+    model family's rule; ``what`` opens the provenance line."""
     ids = None if raw is None else [int(k) for k in raw]
     conv = _sglang_convention(info, model_family)
     layers = _served(ids, conv, _num_layers(info, num_layers))
     return ServerLayers(layers, conv, None if ids is None else tuple(ids),
-                        f"SGLang {version} serving EAGLE-3: packed aux rows for drafter ids "
-                        f"{ids if ids is not None else 'default'} -> entering layers {list(layers)} ({conv})")
+                        f"{what} {ids if ids is not None else 'default'} -> entering layers {list(layers)} ({conv})")
 
 
 def _server_layers(info: dict[str, Any], **kw: Any) -> list[Layer]:
