@@ -267,11 +267,11 @@ def _load_profile(path: Path) -> Profile:
     try:
         ab = parse_ab(raw.get("ab"), hardware=hw)
     except ABConfigError as ex:
-        raise _e(path, "ab", str(ex), "see the 'Same-run A/B' section of the README") from None
+        raise _e(path, "ab", str(ex), "see docs/ab-gate.md") from None
     try:
         variants = parse_variants(raw.get("variants"), engines)
     except ABConfigError as ex:
-        raise _e(path, "variants", str(ex), "see the 'Same-run A/B' section of the README") from None
+        raise _e(path, "variants", str(ex), "see docs/ab-gate.md") from None
     return Profile(
         name=name, path=Path(path), description=str(raw.get("description", "")), hardware=hw, min_gpus=min_gpus,
         model=model, engines=engines, default_engines=tuple(default), repeats=repeats, throughput=tp,
