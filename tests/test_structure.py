@@ -162,3 +162,10 @@ def test_each_marker_is_declared_once(pytestconfig):
     twice = sorted({n for n in names if names.count(n) > 1})
     assert not twice, f"markers registered more than once: {twice}"
     assert {f"{n}: {d}" for n, d in MARKERS.items()} <= set(pytestconfig.getini("markers"))
+
+
+def test_no_library_module_over_800_lines():
+    """Issue 27: no library file over ~800 lines (kimi_perf/wheelhouse.py had 2,112 and ten concerns; it
+    is a package of one concern per module now). A module that grows past this wants splitting."""
+    big = {name: n for name, p in _modules().items() if (n := len(p.read_text().splitlines())) > 800}
+    assert not big, f"library modules over 800 lines: {big}"
