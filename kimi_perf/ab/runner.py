@@ -156,7 +156,7 @@ def measure_repeat(server: RunningServer, workload: Workload, prompts: Sequence[
             pgid = None
     cpu = ProcessTreeCPU.begin(pgid) if pgid is not None else None
     h0 = host_cpu()
-    res = run_workload(server.base_url, server.model, prompts, workload, warmup_prompts=[])
+    res = run_workload(server.base_url, server.model, prompts, workload, warmup_prompts=[], headers=server.headers)
     h1 = host_cpu()
     cpu_s = cpu.elapsed() if cpu is not None else None
     # a stray failed stream among a C=128 batch (e.g. random-weight output that detokenises to no

@@ -174,7 +174,7 @@ async def _heartbeat(w: Workload, state: dict[str, Any], every: float = HEARTBEA
 
 
 async def _run(base_url: str, model: str, prompts: Sequence[Sequence[int]], w: Workload,
-               warmup_prompts: Sequence[Sequence[int]]) -> BenchResult:
+               warmup_prompts: Sequence[Sequence[int]], headers: dict[str, str] | None = None) -> BenchResult:
     import aiohttp
 
     url = base_url.rstrip("/") + "/v1/completions"
@@ -182,7 +182,7 @@ async def _run(base_url: str, model: str, prompts: Sequence[Sequence[int]], w: W
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     state = {"phase": "warm-up", "done": 0, "n": len(warmup_prompts)}
     beat = asyncio.create_task(_heartbeat(w, state, HEARTBEAT_S))
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers or None) as session:
         warm_errors = []
         for p in warmup_prompts:
             o = await stream_completion(session, url, _payload(model, p, w), timeout_s=w.request_timeout_s)
@@ -232,9 +232,11 @@ def run_workload(
     workload: Workload,
     *,
     warmup_prompts: Sequence[Sequence[int]] | None = None,
+    headers: dict[str, str] | None = None,
 ) -> BenchResult:
-    """Run one measured repeat of ``workload`` (warm-ups first, not measured) and compute metrics."""
+    """Run one measured repeat of ``workload`` (warm-ups first, not measured) and compute metrics.
+    ``headers`` go with every request (an existing endpoint's Authorization, ``--perf-url``)."""
     if len(prompts) != workload.num_prompts:
         raise ValueError(f"got {len(prompts)} prompts for a workload of num_prompts={workload.num_prompts}")
     warm = list(warmup_prompts if warmup_prompts is not None else prompts[: workload.warmup])
-    return asyncio.run(_run(base_url, model, prompts, workload, warm))
+    return asyncio.run(_run(base_url, model, prompts, workload, warm, headers))
