@@ -229,3 +229,23 @@ def test_the_real_wheel_recovers_the_known_counts(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "data_dir", lambda: tmp_path)
     convs = data.load_sharegpt_v3()
     assert (len(convs), sum(len(c.turns) for c in convs)) == (16_318, 57_497)
+
+
+def test_sampled_variants_take_the_recipes_temperatures_by_variant_number():
+    """``sample_temperatures`` spreads sampled variants over a range (T 0.7-1.0): variant j gets entry
+    (j - 1) mod n whatever responses_per_prompt is, and a recipe that sets it is a different dataset and
+    generation; one that does not keeps its digests (the shipped drafter's are checked elsewhere)."""
+    from kimi_perf.eagle3.data import DataConfig, sampling_params
+
+    spread = DataConfig(responses_per_prompt=6, sample_temperatures=(0.7, 0.8, 0.9, 1.0))
+    got = [sampling_params(spread, v) for v in range(6)]
+    assert got[0] == {"max_new_tokens": 256, "temperature": 0.0}
+    assert [(sp["temperature"], sp["sampling_seed"]) for sp in got[1:]] == [
+        (0.7, 1), (0.8, 2), (0.9, 3), (1.0, 4), (0.7, 5)]
+    fewer = DataConfig(responses_per_prompt=3, sample_temperatures=(0.7, 0.8, 0.9, 1.0))
+    assert [sampling_params(fewer, v) for v in range(3)] == got[:3]
+    assert fewer.generation_digest() == spread.generation_digest() != DataConfig().generation_digest()
+    assert spread.digest() != DataConfig(responses_per_prompt=6).digest()
+    assert sampling_params(DataConfig(sample_temperature=0.8), 2)["temperature"] == 0.8
+    with pytest.raises(ValueError, match="must be > 0"):
+        DataConfig(sample_temperatures=(0.7, 0.0))

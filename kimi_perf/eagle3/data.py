@@ -50,18 +50,32 @@ class DataConfig:
     # own regenerated earlier replies -- more assistant tokens per prompt, in the long-context, multi-turn
     # positions MT-bench's second turns evaluate
     followups: int = 0
+    # temperatures of the sampled variants: variant j > 0 is sampled at sample_temperatures[(j - 1) % n],
+    # e.g. (0.7, 0.8, 0.9, 1.0) to spread a recipe's data over the temperatures serving uses; empty: every
+    # variant at sample_temperature. Fixed per variant number (not spread over responses_per_prompt), so
+    # growing responses_per_prompt keeps every stored sample's temperature.
+    sample_temperatures: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if any(t <= 0 for t in self.sample_temperatures):
+            raise ValueError(f"sample_temperatures {self.sample_temperatures}: each must be > 0 "
+                             "(greedy is variant 0, always generated)")
 
     def digest(self) -> str:
         """Identity of the selected dataset (which items, how generated)."""
         d = asdict(self)
-        if d["followups"] == 0:
-            d.pop("followups")  # added later: configs without it keep their digest (and cached drafters)
+        # added later: configs without them keep their digest (and cached and shipped drafters)
+        for key, default in (("followups", 0), ("sample_temperatures", ())):
+            if d[key] == default:
+                d.pop(key)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
     def generation_digest(self) -> str:
         """Identity of *how* a sample is generated. Samples are stored under this key, so growing or
         shrinking the selection (sources, caps, variants) reuses every sample already made."""
         d = {k: getattr(self, k) for k in ("max_new_tokens", "max_prompt_tokens", "sample_temperature")}
+        if self.sample_temperatures:
+            d["sample_temperatures"] = list(self.sample_temperatures)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -218,11 +232,14 @@ def _prompt_ids(tokenizer: Any, item: PromptItem, replies: list[str], max_prompt
 
 
 def sampling_params(cfg: DataConfig, variant: int) -> dict[str, Any]:
-    """SGLang-style sampling parameters of one item: greedy for variant 0, else the recipe's
-    ``sample_temperature`` with the variant number as seed (reproducible sampled responses)."""
+    """SGLang-style sampling parameters of one item: greedy for variant 0, else the recipe's temperature
+    for that variant (``sample_temperatures``, else ``sample_temperature``) with the variant number as
+    seed (reproducible sampled responses)."""
     sp: dict[str, Any] = {"max_new_tokens": cfg.max_new_tokens, "temperature": 0.0}
     if variant:
-        sp.update(temperature=cfg.sample_temperature, sampling_seed=variant)
+        temps = cfg.sample_temperatures
+        sp.update(temperature=temps[(variant - 1) % len(temps)] if temps else cfg.sample_temperature,
+                  sampling_seed=variant)
     return sp
 
 
