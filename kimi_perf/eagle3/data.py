@@ -244,7 +244,7 @@ def sampling_params(cfg: DataConfig, variant: int) -> dict[str, Any]:
 
 
 # generate(prompt ids, sampling params) -> (response ids, finish reason): what one item needs of an engine
-Generate = Callable[[list[int], dict[str, Any]], Awaitable[tuple[list[int], "str | None"]]]
+Generate = Callable[[list[int], dict[str, Any]], Awaitable[tuple[list[int], str | None]]]
 
 
 async def _generate_one(session: Any, url: str, ids: list[int], sp: dict[str, Any]) -> tuple[list[int], str | None]:
