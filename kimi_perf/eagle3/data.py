@@ -9,7 +9,12 @@ already made.
 
 Multi-turn items (turn t > 1) are conditioned on the *regenerated* greedy responses of their earlier
 turns, so each waits for its own conversation's earlier turns -- and only for those: the engine keeps
-a full batch instead of draining at every turn boundary.
+a full batch instead of draining at every turn boundary. Sampled variants of turn t (seeded, at the
+recipe's temperatures) are conditioned on the same greedy earlier answers.
+
+Sources (``DataConfig.sources``, loaders in :mod:`kimi_perf.data`): ``mtbench``, ``sharegpt`` (FastChat's
+500-conversation sample), ``sharegpt-v3`` (16,318 real ShareGPT V3 conversations with all their user
+turns: the multi-turn source at scale) and ``instructlab`` (24,542 single-turn synthetic prompts).
 """
 
 from __future__ import annotations
