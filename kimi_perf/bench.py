@@ -20,6 +20,7 @@ from .load.client import run_workload
 from .load.results import BenchResult
 from .load.workload import Workload
 from .progress import log
+from .results import note as note_repeat
 
 __all__ = ["BenchFailure", "RunningServer", "check_errors", "fetch_version", "measure", "samples_of"]
 
@@ -111,6 +112,7 @@ def measure(
         log(f"{label or server.name} c={workload.concurrency} repeat {i + 1}/{repeats}: "
                   f"{m.get('output_throughput', float('nan')):.1f} tok/s, TPOT p50 {m.get('tpot_ms_p50', float('nan')):.1f} ms, "
                   f"{int(m['num_failed'])} failed ({time.monotonic() - t0:.1f}s)")
+        note_repeat(res)  # the running test's per-request records (kimi_perf.results)
         check_errors(server, res, label or server.name, max_error_rate)
         results.append(res)
     return results

@@ -219,9 +219,18 @@ MISSING_KEY = pytest.StashKey[str]()
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    from .results import begin_capture
+
+    begin_capture()  # the repeats this test measures, for perf_gate's per-request records
     why = item.stash.get(MISSING_KEY, None)
     if why is not None:
         pytest.fail(why, pytrace=False)
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    from .results import end_capture
+
+    end_capture()
 
 
 # -- fixtures -------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import pytest
 
 from .baselines import BaselineKey
 from .metrics import METRICS, get_metric
+from .results import drain, request_lines, write_requests
 from .session import PerfSession
 from .stats import GateDecision, confirm_gate, gate
 
@@ -48,6 +49,7 @@ class PerfGate:
         self.session = session
         self.node = node
         self.decisions: list[GateDecision] = []
+        self._seq = 0  # request files written by this test's checks
 
     def key(self, *, scenario: str, engine: str, model: str, workload: str, concurrency: int) -> BaselineKey:
         return BaselineKey(scenario=scenario, engine=engine, model=model, hardware=self.session.hardware,
@@ -86,6 +88,7 @@ class PerfGate:
         interval vs 1.0); recorded and reported with the others, FAIL raises, INCONCLUSIVE warns.
         """
         s = self.session
+        measured = drain()  # the repeats the test measured for this check (kimi_perf.results)
         for m in [*samples, *gated]:
             get_metric(m)  # unknown metric name: a KeyError that lists the known ones
         missing = [m for m in gated if m not in samples]
@@ -109,6 +112,7 @@ class PerfGate:
 
         decisions = decide(samples)
         confirmed_from = None
+        confirming: list[Any] = []
         if confirm is not None and not s.update and any(d.verdict == "FAIL" for d in decisions):
             first = [d for d in decisions if d.verdict == "FAIL"]
             from .progress import log
@@ -118,6 +122,7 @@ class PerfGate:
             confirmed_from = {"samples": {m: [float(v) for v in vals if _finite(v)] for m, vals in samples.items()},
                               "decisions": [asdict(d) for d in decisions]}
             again = confirm()
+            confirming = drain()
             missing = [m for m in gated if m not in again]
             if missing:
                 raise ValueError(f"the confirming measurement did not measure gated metric(s) {missing}")
@@ -151,6 +156,7 @@ class PerfGate:
         if entry is not None:  # which run (or which external source) each baseline figure comes from
             record["baseline_provenance"] = {m: p.provenance.to_json() for m, p in entry.metrics.items()
                                              if p.provenance is not None}
+        self._write_requests(record, measured, confirming)
         self.node.user_properties.append((PROP, json.dumps(record, default=str)))
         fails = [d for d in decisions if d.verdict == "FAIL"]
         for d in decisions:
@@ -164,6 +170,17 @@ class PerfGate:
                 f"performance regression in {scenario} [{engine}, c={concurrency}, {workload}]{ver}:\n  "
                 + "\n  ".join(d.message() for d in fails))
         return decisions
+
+    def _write_requests(self, record: dict[str, Any], first: Sequence[Any], confirming: Sequence[Any]) -> None:
+        """Per-request JSONL of this check's repeats beside run.json, named in the record (the run file
+        keeps the path, not the requests). Written here, in the process that measured them."""
+        lines = [*request_lines(first, measurement="first"),
+                 *request_lines(confirming, measurement="confirm", first_repeat=len(first))]
+        if not lines:
+            return
+        self._seq += 1
+        rel = write_requests(self.session.report_dir, self.node.nodeid, self._seq, lines)
+        record["requests"] = {"file": rel, "count": len(lines), "repeats": len(first) + len(confirming)}
 
     def check_ab(self, outcome: ABOutcome, *, scenario: str, engine: str, model: str,
                  extra: Mapping[str, Any] | None = None, fail: bool = True) -> list[ABDecision]:

@@ -280,11 +280,15 @@ def write_reports(session: Any, machine: dict[str, Any], commit: dict[str, Any])
         "finished": time.time(),
         "machine": machine,
         "commit": commit,
+        "report_dir": str(out_dir),  # where results' request files are (kimi_perf.results), for a --perf-json copy
         "results": session.results,
     }
     run_path = out_dir / "run.json"
     atomic_write_json(run_path, run)
     written["run"] = run_path
+    from .results import prune_requests
+
+    prune_requests(out_dir, session.results)  # the report dir holds this run's request files only
     if session.json_path is not None:
         atomic_write_json(session.json_path, run)
         written["json"] = session.json_path

@@ -1,0 +1,236 @@
+"""Run results as data (kimi_perf.results): per-request JSONL written beside run.json by a real run,
+loaded into DataFrames, exported to Bencher BMF and github-action-benchmark JSON that validate against
+schemas written from the formats' public docs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kimi_perf.metrics import METRICS
+from kimi_perf.results import GAB_FILES, RunResults, _cli, export, to_bencher, to_gab
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE = str(Path(__file__).with_name("fake_server.py"))
+
+# https://bencher.dev/bmf.json (Bencher Metric Format reference page, schema as published)
+BMF_SCHEMA = {
+    "$schema": "http://json-schema.org/draft-07/schema", "type": "object",
+    "patternProperties": {".+": {"type": "object", "patternProperties": {".+": {
+        "type": "object", "required": ["value"],
+        "properties": {"value": {"type": "number"}, "lower_value": {"type": "number"},
+                       "upper_value": {"type": "number"}}}}}},
+}
+# github-action-benchmark, README "Examples" (custom tools) and src/extract.ts's BenchmarkResult:
+# {name: string; value: number; unit: string; range?: string; extra?: string}; the file is a list
+GAB_SCHEMA = {
+    "$schema": "http://json-schema.org/draft-07/schema", "type": "array",
+    "items": {"type": "object", "required": ["name", "unit", "value"], "additionalProperties": False,
+              "properties": {"name": {"type": "string", "minLength": 1}, "unit": {"type": "string"},
+                             "value": {"type": "number"}, "range": {"type": "string"}, "extra": {"type": "string"}}},
+}
+
+
+def _validate(doc, schema) -> None:
+    """jsonschema where it is installed; else the same rules checked by hand."""
+    try:
+        import jsonschema
+    except ImportError:
+        if schema is BMF_SCHEMA:
+            assert isinstance(doc, dict)
+            for bench, measures in doc.items():
+                assert bench and isinstance(measures, dict)
+                for name, m in measures.items():
+                    assert name and isinstance(m, dict) and "value" in m
+                    assert all(isinstance(m[k], (int, float)) for k in m if k in ("value", "lower_value", "upper_value"))
+        else:
+            assert isinstance(doc, list)
+            for e in doc:
+                assert set(e) <= {"name", "unit", "value", "range", "extra"} and {"name", "unit", "value"} <= set(e)
+                assert isinstance(e["value"], (int, float)) and all(isinstance(e.get(k, ""), str)
+                                                                     for k in ("name", "unit", "range", "extra"))
+        return
+    jsonschema.validate(doc, schema)
+
+
+def test_the_schemas_reject_what_the_formats_reject():
+    """The validation can fail: a value given as a string, a missing value, an unknown key."""
+    pytest.importorskip("jsonschema")
+    import jsonschema
+
+    for bad, schema in (({"b": {"m": {"value": "1"}}}, BMF_SCHEMA), ({"b": {"m": {"lower_value": 1.0}}}, BMF_SCHEMA),
+                        ([{"name": "x", "unit": "ms"}], GAB_SCHEMA),
+                        ([{"name": "x", "unit": "ms", "value": 1, "range": 3}], GAB_SCHEMA),
+                        ([{"name": "x", "unit": "ms", "value": 1, "direction": "lower"}], GAB_SCHEMA)):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+
+
+CONFTEST = f'''
+import sys
+import pytest
+pytest_plugins = ["kimi_perf.plugin"]
+
+@pytest.fixture(scope="session")
+def fake(tmp_path_factory):
+    from kimi_perf.bench import RunningServer
+    from kimi_perf.launcher import LaunchSpec, ServerProcess
+    spec = LaunchSpec(name="fake", argv_for_port=lambda p: [sys.executable, {FAKE!r}, str(p), "sse"],
+                      ready_timeout_s=30, log_dir=tmp_path_factory.mktemp("logs"))
+    with ServerProcess(spec) as srv:
+        yield RunningServer(name="reference", kind="fake", base_url=srv.base_url, model="m", process=srv, config=None)
+'''
+
+TEST = '''
+import pytest
+from kimi_perf.bench import measure, samples_of
+from kimi_perf.load.workload import Workload
+
+W = Workload(name="tiny", input_len=4, output_len=16, num_prompts=3, concurrency=2, warmup=0)
+M = ["output_throughput", "tpot_ms_p50", "ttft_ms_p50"]
+
+@pytest.mark.perf
+def test_tiny(perf_gate, fake):
+    run = lambda: samples_of(measure(fake, W, lambda w, i: [[1 + i, 2, 3, 4]] * w.num_prompts, 3), M)
+    first = run()
+    if {dip}:  # the first measurement's numbers collapse: the gate re-measures to confirm
+        first["output_throughput"] = [v / 100 for v in first["output_throughput"]]
+    perf_gate.check(scenario="tiny", engine="reference", model="m", workload="tiny-1", concurrency=2,
+                    samples=first, gated=["output_throughput"], engine_version="0.0-fake", confirm=run)
+'''
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A real report directory: a baseline run, then a run whose first measurement FAILs and is
+    re-measured (the confirm path), against the fake SSE server; returns the report dir of the second."""
+    pt = tmp_path_factory.mktemp("proj")
+    (pt / "profiles").mkdir()
+    (pt / "profiles" / "toy.json").write_text(json.dumps({
+        "name": "toy", "description": "toy", "hardware": "cpu", "model": {"source": "embedded", "name": "m"},
+        "engines": {"reference": {"kind": "reference"}}, "repeats": 3, "gate": {"floor": 0.5}}))
+    (pt / "conftest.py").write_text(CONFTEST)
+    (pt / "pytest.ini").write_text("[pytest]\naddopts = --strict-markers -p no:cacheprovider\n")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+    def pytest_run(*args):
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "--perf-profile", "toy", *args], cwd=pt,
+                           env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r
+
+    (pt / "test_tiny.py").write_text(TEST.format(dip=False))
+    pytest_run("--perf-update-baselines", "--perf-report-dir=out1")
+    # a stale request file from an earlier run in the same report dir is removed by the next run
+    (pt / "out2" / "requests").mkdir(parents=True)
+    (pt / "out2" / "requests" / "stale.jsonl").write_text("{}\n")
+    (pt / "test_tiny.py").write_text(TEST.format(dip=True))
+    r = pytest_run("--perf-report-dir=out2")
+    assert "FAIL on the first measurement" in r.stdout
+    return pt / "out2"
+
+
+def test_every_request_is_written_beside_the_run_file(run_dir):
+    (rec,) = json.loads((run_dir / "run.json").read_text())["results"]
+    ref = rec["requests"]
+    # 3 repeats first + 3 confirming, 3 prompts each
+    assert ref["count"] == 18 and ref["repeats"] == 6 and ref["file"].startswith("requests/")
+    lines = [json.loads(ln) for ln in (run_dir / ref["file"]).read_text().splitlines()]
+    assert [ln["measurement"] for ln in lines] == ["first"] * 9 + ["confirm"] * 9
+    assert sorted({ln["repeat"] for ln in lines}) == [0, 1, 2, 3, 4, 5]
+    assert all(ln["ok"] and ln["completion_tokens"] == 16 and ln["n_chunks"] == 16 for ln in lines)
+    assert all(ln["ttft_ms"] > 0 and ln["e2el_ms"] >= ln["ttft_ms"] for ln in lines)
+    assert [p.name for p in (run_dir / "requests").iterdir()] == [Path(ref["file"]).name]  # stale one pruned
+    assert json.loads((run_dir / "run.json").read_text())["report_dir"] == str(run_dir)
+
+
+def test_loaders_give_requests_repeats_and_verdicts(run_dir):
+    run = RunResults.load(run_dir)
+    req = run.requests()
+    assert len(req) == 18 and {"engine", "scenario", "ttft_ms", "tpot_ms", "repeat"} <= set(req.columns)
+    assert "chunk_times" not in req.columns and len(run.requests(chunks=True)["chunk_times"][0]) == 16
+    assert set(req["engine"]) == {"reference"} and set(req["concurrency"]) == {2}
+    rep = run.repeats()
+    tp = rep[rep.metric == "output_throughput"]
+    # the first measurement's (divided) samples pooled with the confirming ones, each labelled
+    assert list(tp.measurement) == ["first"] * 3 + ["confirm"] * 3
+    assert tp.value.iloc[0] * 20 < tp.value.iloc[3]
+    assert set(tp.unit) == {"tok/s"} and set(tp.direction) == {"higher"}
+    # a repeat's TPOT p50 is the median of its requests' TPOTs: requests join their repeat's metrics
+    tpot = rep[(rep.metric == "tpot_ms_p50")].set_index("repeat").value
+    by_req = req.groupby("repeat").tpot_ms.median()
+    assert by_req.round(9).to_dict() == tpot.round(9).to_dict()
+    v = run.verdicts()
+    (row,) = v.itertuples()
+    assert row.kind == "gate" and row.metric == "output_throughput" and row.verdict in ("PASS", "WARN")
+    assert "first measurement FAIL" in row.reason
+
+
+def test_a_run_file_from_before_request_records_loads_with_no_requests():
+    run = RunResults.load(ROOT / "benchmarks" / "h200-engines-lease" / "run-vllm.json")
+    assert run.requests().empty and len(run.repeats()) > 50 and len(run.verdicts()) >= len(run.results)
+    # the copy names a report dir that is not there: its requests are said to be missing, with the fix
+    data = {**run.data, "results": [{**run.results[0], "requests": {"file": "requests/x.jsonl"}}]}
+    with pytest.raises(FileNotFoundError, match="requests/ included"):
+        RunResults(run.path, data).requests()
+
+
+def test_bencher_export_validates_and_carries_median_and_spread(run_dir):
+    run = RunResults.load(run_dir)
+    bmf = to_bencher(run)
+    _validate(bmf, BMF_SCHEMA)
+    (bench,) = bmf
+    assert bench == "tiny/reference/tiny-1/c2"
+    vals = sorted(run.repeats().query("metric == 'tpot_ms_p50'").value)
+    m = bmf[bench]["tpot_ms_p50"]
+    assert m["lower_value"] == vals[0] and m["upper_value"] == vals[-1] and vals[0] <= m["value"] <= vals[-1]
+    # Bencher measure names are at most 64 characters
+    assert all(len(k) <= 64 for ms in bmf.values() for k in ms)
+
+
+def test_gab_export_splits_by_direction_from_the_metrics_registry(run_dir):
+    gab = to_gab(RunResults.load(run_dir))
+    for entries in gab.values():
+        _validate(entries, GAB_SCHEMA)
+    big = {e["name"].split()[-1]: e for e in gab["customBiggerIsBetter"]}
+    small = {e["name"].split()[-1]: e for e in gab["customSmallerIsBetter"]}
+    assert "output_throughput" in big and "tpot_ms_p50" in small and "ttft_ms_p50" in small
+    assert all(METRICS[m].direction == "higher" for m in big) and all(METRICS[m].direction == "lower" for m in small)
+    assert big["output_throughput"]["unit"] == "tok/s" and small["tpot_ms_p50"]["unit"] == "ms"
+    assert big["output_throughput"]["range"].startswith("± ") and "6 repeats" in big["output_throughput"]["extra"]
+
+
+def test_export_on_a_real_gpu_run_file_validates(tmp_path):
+    run = RunResults.load(ROOT / "benchmarks" / "h200-engines-lease" / "run-sglang.json")
+    (bmf,) = export(run, "bencher", tmp_path)
+    _validate(json.loads(bmf.read_text()), BMF_SCHEMA)
+    files = export(run, "gab", tmp_path)
+    assert sorted(p.name for p in files) == sorted(GAB_FILES.values())
+    docs = [json.loads(p.read_text()) for p in files]
+    for d in docs:
+        _validate(d, GAB_SCHEMA)
+    assert sum(len(d) for d in docs) == sum(len(v) for v in json.loads(bmf.read_text()).values())
+
+
+def test_cli_export_and_its_errors(run_dir, tmp_path, capsys):
+    assert _cli(["export", "--format", "gab", str(run_dir), "-o", str(tmp_path / "gab")]) == 0
+    assert sorted(p.name for p in (tmp_path / "gab").iterdir()) == sorted(GAB_FILES.values())
+    assert _cli(["export", "--format", "bencher", str(run_dir / "run.json"), "-o", str(tmp_path / "b.json"),
+                 "--metric", "tpot_ms_p50"]) == 0
+    assert list(json.loads((tmp_path / "b.json").read_text()).values())[0].keys() == {"tpot_ms_p50"}
+    assert _cli(["show", str(run_dir)]) == 0
+    assert "18 request records" in capsys.readouterr().out
+    for bad in (["export", "--format", "bencher", str(tmp_path / "nowhere")],
+                ["export", "--format", "csv", str(run_dir)],
+                ["export", "--format", "bencher", str(run_dir), "--metric", "tok_s"]):
+        with pytest.raises(SystemExit) as e:
+            _cli(bad)
+        assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "no run file at" in err and "invalid choice: 'csv'" in err and "unknown metric(s) ['tok_s']" in err
