@@ -1,5 +1,12 @@
-"""Run history: every run's medians appended to ``baselines/history/<profile>.jsonl``, and change-point
+"""Run history: every run's medians appended to ``<history-dir>/<profile>.jsonl``, and change-point
 detection over it (``python -m kimi_perf.history <profile>``).
+
+Where: ``--perf-history DIR`` (ini ``perf_history_dir``); by default ``<perf-report-dir>/history``, outside
+the tracked tree. Appending into the tracked ``baselines/history/`` (the old default) dirtied every
+checkout that ran the gate and was lost with an ephemeral runner's workspace; a runner that keeps history
+names a kept directory (a cache, a mounted volume). The histories committed under ``baselines/history/``
+before the change stay readable: the CLI reads them together with the new directory
+(:data:`LEGACY_DIR`), in time order.
 
 Why both a per-merge gate and a history: the gate answers "is this change slower than its base?" in
 one job; it cannot see a slow drift of 2% a week, nor tell which of twenty merges caused a step that
@@ -32,10 +39,22 @@ import numpy as np
 
 from .engines.reference import planted_fraction
 
-__all__ = ["ChangePoint", "Series", "append_history", "change_points", "history_lines", "load_series",
-           "planted_slowdown"]
+__all__ = ["ChangePoint", "Series", "append_history", "change_points", "history_file", "history_lines",
+           "load_series", "planted_slowdown"]
 
 HISTORY_VERSION = 1
+DEFAULT_SUBDIR = "history"  # under the report directory, when no history directory is named
+LEGACY_DIR = "baselines/history"  # where runs appended before issue 25; read, never written by default
+
+
+def history_file(value: str, *, rootdir: Path, report_dir: Path, profile: str) -> Path | None:
+    """The file a run appends to: ``value`` is ``--perf-history`` / ``perf_history_dir`` ('' = the report
+    directory's ``history/``, 'off' = none; relative paths from the rootdir)."""
+    v = value.strip()
+    if v.lower() == "off":
+        return None
+    d = Path(v) if v else report_dir / DEFAULT_SUBDIR
+    return (d if d.is_absolute() else rootdir / d) / f"{profile}.jsonl"
 
 
 def planted_slowdown(env: Mapping[str, str] | None = None) -> float | None:
@@ -107,19 +126,33 @@ class Series:
     points: tuple[Point, ...]
 
 
-def load_series(path: Path) -> list[Series]:
-    """Every (key, metric) series of a history file, in file (= time) order."""
-    if not path.is_file():
-        raise FileNotFoundError(f"no history at {path}: runs append to it (pytest -m perf); "
-                                "or pass --dir where the history files are")
+def _history_lines(paths: Sequence[Path]) -> list[dict[str, Any]]:
+    """The lines of every file, merged in time order (a line found in two files, e.g. a history copied
+    from the tracked directory to a kept one, counts once)."""
+    found = [p for p in paths if p.is_file()]
+    if not found:
+        raise FileNotFoundError(f"no history at {' or '.join(str(p) for p in paths)}: runs append to it "
+                                "(pytest -m perf); or pass --dir where the history files are")
+    seen: set[str] = set()  # the lines of the files before this one
+    lines = []
+    for path in found:
+        raws = path.read_text().splitlines()
+        for n, raw in enumerate(raws, 1):
+            if not raw.strip() or raw in seen:
+                continue
+            try:
+                lines.append(json.loads(raw))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not a JSON line ({e.msg}); remove or repair that line") from None
+        seen.update(raws)
+    # stable: lines of one file keep their order; ISO-8601 UTC stamps sort as strings
+    return sorted(lines, key=lambda ln: str(ln.get("time") or "")) if len(found) > 1 else lines
+
+
+def load_series(path: Path | Sequence[Path]) -> list[Series]:
+    """Every (key, metric) series of one history file, or of several merged in time order."""
     series: dict[str, list[Point]] = {}
-    for n, raw in enumerate(path.read_text().splitlines(), 1):
-        if not raw.strip():
-            continue
-        try:
-            ln = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not a JSON line ({e.msg}); remove or repair that line") from None
+    for ln in _history_lines([path] if isinstance(path, Path) else list(path)):
         k = ln.get("key") or {}
         name = f"{k.get('scenario')} {k.get('engine')} {k.get('workload')} c={k.get('concurrency')} [{k.get('hardware')}]"
         mk = lambda v, _ln=ln: Point(_ln.get("time"), _ln.get("commit"), _ln.get("subject"), _ln.get("host"), v,  # noqa: E731
@@ -165,22 +198,24 @@ def _cli(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kimi_perf.history",
                                  description="change points in a profile's run history, with their commits")
     ap.add_argument("profile", help="profile name: reads <dir>/<profile>.jsonl")
-    ap.add_argument("--dir", default="baselines/history", help="history directory (default baselines/history)")
+    ap.add_argument("--dir", action="append", default=None,
+                    help=f"history directory (repeatable; default perf-report/{DEFAULT_SUBDIR}, where runs append "
+                         f"unless --perf-history named another, and {LEGACY_DIR}, the histories committed before)")
     ap.add_argument("--metric", action="append", default=None,
                     help="only series of this metric (repeatable), e.g. decode_tok_s")
     ap.add_argument("--pvalue", type=float, default=0.001, help="significance of a change point (default 0.001)")
     ap.add_argument("--min-points", type=int, default=6, help="skip series shorter than this (default 6)")
     ap.add_argument("--json", action="store_true", help="print the change points as JSON")
     ns = ap.parse_args(argv)
-    path = Path(ns.dir) / f"{ns.profile}.jsonl"
+    paths = [Path(d) / f"{ns.profile}.jsonl" for d in (ns.dir or [f"perf-report/{DEFAULT_SUBDIR}", LEGACY_DIR])]
     try:
-        all_series = load_series(path)
+        all_series = load_series(paths)
     except (FileNotFoundError, ValueError) as e:
         ap.error(str(e))
     if ns.metric:
         all_series = [s for s in all_series if any(f" {m}" in s.name for m in ns.metric)]
     found: list[ChangePoint] = []
-    print(f"{path}: {len(all_series)} series")
+    print(f"{' + '.join(str(p) for p in paths if p.is_file())}: {len(all_series)} series")
     if ns.metric and not all_series:
         print(f"  no series of metric(s) {ns.metric}")
     for s in sorted(all_series, key=lambda s: s.name):

@@ -34,7 +34,10 @@ _INI: list[tuple[str, str, str]] = [
     ("perf_report_dir", "directory for the summary, run file, plots and server logs", "perf-report"),
     ("perf_baseline_dir", "directory of baselines/<profile>.json", "baselines"),
     ("perf_server_timeout", "seconds a server may take to become ready", "600"),
-    ("perf_history_dir", "directory of <profile>.jsonl run histories ('off' = none)", "baselines/history"),
+    # history stays out of the tracked tree by default: appended there it dirtied every checkout that ran
+    # the gate and was lost with an ephemeral runner's workspace anyway (issue 25 item 4)
+    ("perf_history_dir", "directory of <profile>.jsonl run histories ('' = <perf_report_dir>/history, 'off' = none)",
+     ""),
 ]
 # the one place the defaults live: addini gets them and every --perf-* help text quotes them from here
 _DEFAULT = {name: default for name, _, default in _INI}
@@ -94,8 +97,9 @@ def add_options(parser: pytest.Parser) -> None:
                      "with another engine release)")
     g.addoption("--perf-history", default=None, metavar="DIR|off",
                 help="append every run's medians (with commit, host, engine versions) to DIR/<profile>.jsonl for "
-                     "'python -m kimi_perf.history'; 'off' disables it "
-                     f"({_ini_help('perf_history_dir')})")
+                     "'python -m kimi_perf.history'; 'off' disables it (ini: perf_history_dir; default "
+                     "<perf-report-dir>/history, outside the tracked tree: name a kept directory to keep history "
+                     "across runs)")
     g.addoption("--perf-url", default=None, metavar="URL",
                 help="measure the OpenAI-compatible server already running at URL (scheme://host[:port]) instead of "
                      "launching the profile's engine; name its engine with --perf-engine NAME (baselines key on it); "

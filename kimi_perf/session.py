@@ -42,7 +42,7 @@ class PerfSession:
     allow_remote_bind: bool = False
     train_drafter: bool = False  # --perf-train-drafter: ignore a matching shipped drafter
     ab: ABBase | None = None  # --perf-ab: the base the ab-marked tests compare against
-    history_path: Path | None = None  # baselines/history/<profile>.jsonl, None = off
+    history_path: Path | None = None  # <history dir>/<profile>.jsonl (kimi_perf.history), None = off
     endpoint: Endpoint | None = None  # --perf-url: an existing server is the engine under test
     results: list[dict[str, Any]] = field(default_factory=list)
     started: float = field(default_factory=time.time)
@@ -128,10 +128,10 @@ def _build_session(config: pytest.Config) -> PerfSession:
             ab = resolve_base(ab_opt, dict(profile.variants), rootdir, python=config.getoption("--perf-ab-python"))
         except ABConfigError as e:
             raise pytest.UsageError(str(e)) from None
-    hist = str(config.getoption("--perf-history") or config.getini("perf_history_dir")).strip()
-    history_path = None
-    if hist and hist.lower() != "off":
-        history_path = (Path(hist) if Path(hist).is_absolute() else rootdir / hist) / f"{profile.name}.jsonl"
+    from .history import history_file
+
+    history_path = history_file(str(config.getoption("--perf-history") or config.getini("perf_history_dir")),
+                                rootdir=rootdir, report_dir=report_dir, profile=profile.name)
     endpoint = _endpoint(config, engines, profile.name)
     gpus = gpu_info()
     json_opt = config.getoption("--perf-json")

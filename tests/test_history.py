@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 
@@ -85,3 +86,36 @@ def test_a_planted_step_is_stamped_and_named_as_planted_not_as_the_commits(tmp_p
     # a malformed switch is not a planted slowdown, and zero is none
     assert planted_slowdown({"KIMI_PERF_PLANT_SLOWDOWN": "x"}) is None
     assert planted_slowdown({"KIMI_PERF_PLANT_SLOWDOWN": "0"}) is None
+
+
+def test_history_goes_under_the_report_dir_unless_a_path_is_named(tmp_path):
+    from kimi_perf.history import history_file
+
+    kw = {"rootdir": tmp_path, "report_dir": tmp_path / "perf-report", "profile": "p"}
+    assert history_file("", **kw) == tmp_path / "perf-report" / "history" / "p.jsonl"
+    assert history_file("  ", **kw) == tmp_path / "perf-report" / "history" / "p.jsonl"
+    assert history_file("off", **kw) is None and history_file("OFF", **kw) is None
+    assert history_file("kept/hist", **kw) == tmp_path / "kept" / "hist" / "p.jsonl"
+    assert history_file("/var/h", **kw) == Path("/var/h/p.jsonl")
+
+
+def test_the_tracked_history_is_still_read_with_the_new_one_in_time_order(tmp_path, monkeypatch, capsys):
+    """Runs before the move appended to baselines/history/; runs after to perf-report/history/. The CLI's
+    default reads both, merged by time, and a line copied from one into the other counts once."""
+    monkeypatch.chdir(tmp_path)
+    old, new = tmp_path / "baselines" / "history" / "p.jsonl", tmp_path / "perf-report" / "history" / "p.jsonl"
+    rng = np.random.default_rng(4)
+    lines = []
+    for i in range(20):
+        ln = history_lines([_record((18.0 if i < 12 else 14.0) * (1 + 0.02 * rng.standard_normal()))], profile="p",
+                           hardware="h", commit={"id": f"c{i:02d}" + "0" * 38}, machine={})[0]
+        lines.append({**ln, "time": f"2026-01-{i + 1:02d}T00:00:00Z"})
+    append_history(new, lines[10:])  # the new directory first on disk, but later in time
+    append_history(old, lines[:10])
+    append_history(new, lines[9:10])  # one old line copied over
+    (s,) = load_series([new, old])
+    assert [p.commit[:3] for p in s.points] == [f"c{i:02d}" for i in range(20)]
+    assert _cli(["p", "--metric", "decode_tok_s"]) == 0
+    out = capsys.readouterr().out
+    assert "perf-report/history/p.jsonl + baselines/history/p.jsonl: 1 series" in out
+    assert "20 runs" in out and "commit c120000000" in out
