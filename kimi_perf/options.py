@@ -112,6 +112,9 @@ def add_options(parser: pytest.Parser) -> None:
                      "KIMI_PERF_API_KEY; unset = no Authorization header)")
     g.addoption("--perf-served-model", default=None, metavar="NAME",
                 help="with --perf-url: the model name to request (default: the first one /v1/models lists)")
+    g.addoption("--perf-strict", action="store_true", default=False,
+                help="fail a test whose gate verdict is WARN or INCONCLUSIVE (default: they warn and pass): for CI "
+                     "that must not merge on an unresolved measurement")
     for name, help_, default in _INI:
         parser.addini(name, help_, default=default)
 

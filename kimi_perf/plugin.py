@@ -49,7 +49,7 @@ from .options import (
     add_options,
     check_rootdir,
 )
-from .recorder import PROP, PerfGate, PerfRegression, PerfWarning, _finite
+from .recorder import PROP, PerfGate, PerfRegression, PerfWarning, _finite, unresolved_verdicts
 from .session import (
     _PARAM_FIXTURES,
     _SESSION_FIXTURES,
@@ -96,6 +96,15 @@ def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(PerfCollector(config), "kimi-perf-collector")
     _install_progress_sink(config)
+    from .workers import check_workers
+
+    check_workers(config)  # -n under a cuda profile: a GPU slice per worker, or refused
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    from .workers import header_lines
+
+    return header_lines(config)
 
 
 def _install_progress_sink(config: pytest.Config) -> None:
@@ -162,10 +171,11 @@ def _markexpr_names(config: pytest.Config) -> set[str]:
 
 
 def _deselect_marked(config: pytest.Config, items: list[pytest.Item], marker: str) -> bool:
-    """Remove the items carrying ``marker`` (reported as deselected); whether there were any."""
-    gone = [i for i in items if i.get_closest_marker(marker) is not None]
+    """Remove the suite's items carrying ``marker`` (reported as deselected); whether there were any. A
+    host repository's own test with a marker of that name is not the suite's and stays."""
+    gone = [i for i in items if i.get_closest_marker(marker) is not None and needs_session(i)]
     if gone:
-        items[:] = [i for i in items if i.get_closest_marker(marker) is None]
+        items[:] = [i for i in items if i not in gone]
         config.hook.pytest_deselected(items=gone)
     return bool(gone)
 
@@ -203,6 +213,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     strict = strict_reason(config)
     for item in items:
+        if not needs_session(item):
+            continue  # not the suite's test (a host repository's own perf/gpu marker): left alone
         if item.get_closest_marker("perf") is not None and missing:
             reason = f"profile {s.profile.name} needs " + " and ".join(missing)
             if strict is not None:
@@ -231,6 +243,22 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
     from .results import end_capture
 
     end_capture()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    """``--perf-strict``: a passed test whose recorded verdicts include WARN or INCONCLUSIVE fails,
+    with them listed. Decided here, from the records the test attached, so every way a test gates
+    (``check``, ``check_ab``, ``fail=False`` with its own assertion) is covered alike."""
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.when != "call" or not rep.passed or not item.config.getoption("perf_strict", False):
+        return
+    soft = unresolved_verdicts(item.user_properties)
+    if soft:
+        rep.outcome = "failed"
+        rep.longrepr = ("kimi-perf --perf-strict: verdicts that are not a PASS fail this run:\n  " + "\n  ".join(soft)
+                        + "\n(without --perf-strict they are warnings; more repeats can resolve them)")
 
 
 # -- fixtures -------------------------------------------------------------------------------------

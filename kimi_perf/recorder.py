@@ -38,6 +38,25 @@ class PerfRegression(AssertionError):
 
 
 
+def unresolved_verdicts(user_properties: Sequence[tuple[str, Any]]) -> list[str]:
+    """The WARN and INCONCLUSIVE verdicts among a test's recorded results (gate and A/B decisions), one
+    line each with its reason: what ``--perf-strict`` fails on."""
+    out = []
+    for name, value in user_properties:
+        if name != PROP:
+            continue
+        rec = json.loads(value) if isinstance(value, str) else value
+        k = rec.get("key") or {}
+        where = f"{k.get('scenario')} [{k.get('engine')} c={k.get('concurrency')}]"
+        for d in rec.get("decisions") or []:
+            if d.get("verdict") in ("WARN", "INCONCLUSIVE"):
+                out.append(f"{where} {d.get('metric')}: {d['verdict']}: {d.get('reason')}")
+        for d in (rec.get("ab") or {}).get("decisions") or []:
+            if d.get("verdict") in ("WARN", "INCONCLUSIVE"):
+                out.append(f"{where} A/B {d.get('metric')} [{d.get('probe')}]: {d['verdict']}: {d.get('reason')}")
+    return out
+
+
 def _finite(v: float) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
 

@@ -150,6 +150,12 @@ def test_every_request_is_written_beside_the_run_file(run_dir):
     assert json.loads((run_dir / "run.json").read_text())["report_dir"] == str(run_dir)
 
 
+def test_history_is_appended_under_the_report_dir_not_the_tracked_tree(run_dir):
+    assert len((run_dir / "history" / "toy.jsonl").read_text().splitlines()) == 1
+    assert len((run_dir.parent / "out1" / "history" / "toy.jsonl").read_text().splitlines()) == 1
+    assert not (run_dir.parent / "baselines" / "history").exists()
+
+
 def test_loaders_give_requests_repeats_and_verdicts(run_dir):
     run = RunResults.load(run_dir)
     req = run.requests()
