@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,33 @@ def markdown_table(rows: list[list[str]], headers: list[str] = HEADERS) -> str:
     return "\n".join(lines)
 
 
-def _plot_throughput(results: list[dict[str, Any]], path: Path) -> Path | None:
+BaselineOf = Callable[[Mapping[str, Any], str], Sequence[float] | None]
+
+
+def plot_title(results: list[dict[str, Any]], machine: Mapping[str, Any] | None, profile: str | None) -> str:
+    """Model, hardware (GPU names, or the CPU and its cores), engines with their versions, profile."""
+    models = sorted({str(r["key"].get("model")) for r in results})
+    gpus = [g.get("name", "?") for g in (machine or {}).get("gpus") or []]
+    if gpus:
+        names = sorted(set(gpus))
+        hw = ", ".join(f"{gpus.count(n)}x {n}" for n in names)
+    elif machine:
+        hw = f"CPU {machine.get('cpu') or '?'} ({machine.get('cpu_count') or '?'} cores)"
+    else:
+        hw = str(results[0]["key"].get("hardware")) if results else "?"
+    engines: dict[str, str | None] = {}
+    for r in results:
+        engines.setdefault(str(r["key"].get("engine")), r.get("engine_version"))
+    eng = ", ".join(f"{e} {v}" if v else e for e, v in sorted(engines.items()))
+    return f"{', '.join(models)} on {hw}\nengines: {eng}" + (f"; profile {profile}" if profile else "")
+
+
+def _plot_throughput(results: list[dict[str, Any]], path: Path, *, baseline: BaselineOf | None = None,
+                     machine: Mapping[str, Any] | None = None, profile: str | None = None) -> Path | None:
+    """Output throughput and TPOT p50 against concurrency, one colour per engine: this run's median
+    (solid line), every repeat (dots) and their min-max (band); the stored baseline's median (dashed,
+    hollow markers) and min-max (hatched band) where ``baseline`` has one. Titled with model, hardware,
+    engines and versions, so a PNG read on its own says what it measured."""
     sweep = [r for r in results if r["key"]["scenario"] == "throughput_sweep"]
     if not sweep:
         return None
@@ -111,26 +138,63 @@ def _plot_throughput(results: list[dict[str, Any]], path: Path) -> Path | None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    by_engine: dict[str, list[tuple[int, float, float]]] = {}
-    for r in sweep:
-        s = r["samples"]
-        tp = float(np.median(s["output_throughput"])) if s.get("output_throughput") else float("nan")
-        tpot = float(np.median(s["tpot_ms_p50"])) if s.get("tpot_ms_p50") else float("nan")
-        by_engine.setdefault(r["key"]["engine"], []).append((r["key"]["concurrency"], tp, tpot))
-    for eng, pts in sorted(by_engine.items()):
-        pts.sort()
-        c = [p[0] for p in pts]
-        ax1.plot(c, [p[1] for p in pts], marker="o", label=eng)
-        ax2.plot(c, [p[2] for p in pts], marker="o", label=eng)
-    for ax, title, unit in ((ax1, "output throughput", "tok/s"), (ax2, "TPOT p50", "ms")):
+    def finite(vals: Sequence[float] | None) -> list[float]:
+        return [float(v) for v in vals or () if v is not None and math.isfinite(float(v))]
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
+    panels = (("output_throughput", "output throughput (higher is better)", "tok/s"),
+              ("tpot_ms_p50", "TPOT p50 (lower is better)", "ms"))
+    engines = sorted({r["key"]["engine"] for r in sweep})
+    colours = {e: plt.get_cmap("tab10")(i % 10) for i, e in enumerate(engines)}
+    with_base = False
+    ticks: set[int] = set()
+    for ax, (metric, title, unit) in zip(axes, panels):
+        for eng in engines:
+            recs = sorted((r for r in sweep if r["key"]["engine"] == eng), key=lambda r: r["key"]["concurrency"])
+            col = colours[eng]
+            cs, med, lo, hi, bc, bmed, blo, bhi = [], [], [], [], [], [], [], []
+            for r in recs:
+                c = r["key"]["concurrency"]
+                v = finite(r["samples"].get(metric))
+                if v:
+                    cs.append(c)
+                    med.append(float(np.median(v)))
+                    lo.append(min(v))
+                    hi.append(max(v))
+                    ax.scatter([c] * len(v), v, s=10, color=col, alpha=0.55, zorder=3)
+                b = finite(baseline(r["key"], metric)) if baseline is not None else []
+                if b:
+                    bc.append(c)
+                    bmed.append(float(np.median(b)))
+                    blo.append(min(b))
+                    bhi.append(max(b))
+            if cs:
+                ax.plot(cs, med, marker="o", color=col, zorder=4)
+                ax.fill_between(cs, lo, hi, color=col, alpha=0.18, lw=0)
+            if bc:
+                with_base = True
+                ax.plot(bc, bmed, ls="--", marker="o", mfc="white", color=col, zorder=2)
+                ax.fill_between(bc, blo, bhi, facecolor="none", edgecolor=col, hatch="///", alpha=0.45, lw=0)
+            ticks |= set(cs) | set(bc)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency")
+        ax.set_xlabel("concurrency (requests in flight)")
         ax.set_ylabel(unit)
-        ax.set_title(title)
+        ax.set_title(title, fontsize=10)
         ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
+    for ax in axes:  # the measured levels as ticks, not powers of two
+        ax.set_xticks(sorted(ticks), [str(t) for t in sorted(ticks)])
+        ax.minorticks_off()
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    handles = [Line2D([], [], color=colours[e], marker="o", label=e) for e in engines]
+    handles += [Line2D([], [], color="grey", marker="o", label="this run: median, dots = repeats, band = min-max")]
+    handles += ([Line2D([], [], color="grey", ls="--", marker="o", mfc="white", label="baseline: median"),
+                 Patch(facecolor="none", edgecolor="grey", hatch="///", label="baseline: min-max")] if with_base else
+                [Line2D([], [], color="none", label="(no stored baseline for these points)")])
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 6), fontsize=7, frameon=False)
+    fig.suptitle(plot_title(sweep, machine, profile), fontsize=9)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -246,6 +310,19 @@ def merge_markdown_tables(blocks: list[str]) -> list[str]:
     return out
 
 
+def store_baseline(store: Any) -> BaselineOf:
+    """A result key + metric -> the stored baseline's samples (None where there is none)."""
+    from .baselines import BaselineKey
+
+    def of(key: Mapping[str, Any], metric: str) -> Sequence[float] | None:
+        try:
+            return store.lookup_samples(BaselineKey(**key), metric)
+        except TypeError:  # a key of another shape (older run file)
+            return None
+
+    return of
+
+
 def write_reports(session: Any, machine: dict[str, Any], commit: dict[str, Any]) -> dict[str, Path]:
     out_dir: Path = session.report_dir
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -292,7 +369,8 @@ def write_reports(session: Any, machine: dict[str, Any], commit: dict[str, Any])
     if session.json_path is not None:
         atomic_write_json(session.json_path, run)
         written["json"] = session.json_path
-    png = _plot_throughput(session.results, out_dir / "throughput.png")
+    png = _plot_throughput(session.results, out_dir / "throughput.png", baseline=store_baseline(session.store),
+                           machine=machine, profile=session.profile.name)
     if png is not None:
         written["plot"] = png
     png = _plot_ab(session.results, out_dir / "ab_ratios.png")

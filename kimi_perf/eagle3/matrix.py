@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cell_decision", "MatrixCell", "MatrixPlan", "MatrixRow", "LayerAgreement", "RetrainNoise", "judge",
+__all__ = ["cell_decision", "cell_from_json", "heatmap_states", "MatrixCell", "MatrixPlan", "MatrixRow", "LayerAgreement", "RetrainNoise", "judge",
            "noise_decision", "parse_row", "render_heatmap", "render_markdown"]
 
 # row base name -> (feature backend, the engine kind whose own features it is)
@@ -354,54 +354,96 @@ def render_markdown(cells: Sequence[MatrixCell], *, title: str = "EAGLE-3 extrac
     return "\n".join(out)
 
 
-def render_heatmap(cells: Sequence[MatrixCell], path: Path) -> Path:
-    """Two heatmaps side by side: worst-layer cosine and accept length, rows = paths, columns =
-    engines, each cell annotated (a failing cosine marked ✗, the verdict under the accept length)."""
+# cell colours: pass/fail against the cell's own threshold, never a scale over the data's range (a
+# failing cosine of 0.84 read green next to its cross when the scale ran from 0.0 to 1.0)
+STATE_COLOURS = {"PASS": "#7fc97f", "FAIL": "#f0606a", "INCONCLUSIVE": "#fdc86e", None: "#e0e0e0"}
+
+
+def _worst_layer(c: MatrixCell) -> LayerAgreement:
+    """The layer furthest below (or closest above) its threshold: the one that decides the cosine gate."""
+    return min(c.layers, key=lambda a: a.cos_min - a.threshold)
+
+
+def heatmap_states(cells: Sequence[MatrixCell]) -> tuple[list[str], list[str], list[list[str | None]],
+                                                         list[list[str | None]]]:
+    """(rows, engines, cosine state, acceptance state) per cell: cosine PASS when every layer is at or
+    above its threshold, else FAIL; acceptance = the cell's verdict (PASS/FAIL/INCONCLUSIVE, judged
+    against the own-features drafter with the tolerance); None where no cell was measured."""
+    rows = list(dict.fromkeys(c.row for c in cells))
+    engines = list(dict.fromkeys(c.engine for c in cells))
+    by = {(c.row, c.engine): c for c in cells}
+    cos = [[None if (r, e) not in by else ("PASS" if by[r, e].aligned else "FAIL") for e in engines] for r in rows]
+    acc = [[None if (r, e) not in by else by[r, e].verdict for e in engines] for r in rows]
+    return rows, engines, cos, acc
+
+
+def render_heatmap(cells: Sequence[MatrixCell], path: Path, *, title: str | None = None) -> Path:
+    """Two panels, rows = extraction paths, columns = serving engines, each cell coloured by its own
+    pass/fail and the numbers written in: the worst aux layer's cosine against that layer's threshold
+    (green at or above, red below), and the accept length against the own-features drafter's
+    (coloured by the cell verdict: green PASS, red FAIL, amber INCONCLUSIVE). Planted-fault rows are
+    labelled as such: their cosine is meant to fail."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
+    from matplotlib.colors import to_rgb
+    from matplotlib.patches import Patch
 
-    rows = list(dict.fromkeys(c.row for c in cells))
-    engines = list(dict.fromkeys(c.engine for c in cells))
+    rows, engines, cos_state, acc_state = heatmap_states(cells)
     by = {(c.row, c.engine): c for c in cells}
-    cos = np.full((len(rows), len(engines)), np.nan)
-    acc = np.full_like(cos, np.nan)
-    for i, r in enumerate(rows):
-        for j, e in enumerate(engines):
-            c = by.get((r, e))
-            if c is not None:
-                cos[i, j], acc[i, j] = c.cos_min, c.accept_length
-    fig, axes = plt.subplots(1, 2, figsize=(4 + 2.4 * len(engines) * 2, 1.2 + 0.55 * len(rows)))
-    for ax, data, name, fmt in ((axes[0], cos, "min cosine (worst aux layer)", "{:.4f}"),
-                                (axes[1], acc, "accept length (tokens/step)", "{:.3f}")):
-        im = ax.imshow(data, cmap="RdYlGn", aspect="auto",
-                       vmin=np.nanmin(data) if np.isfinite(data).any() else 0,
-                       vmax=np.nanmax(data) if np.isfinite(data).any() else 1)
+    planted = {c.row for c in cells if c.planted}
+    fig, axes = plt.subplots(1, 2, figsize=(4.5 + 3.0 * len(engines) * 2, 1.9 + 0.62 * len(rows)))
+    for ax, states, name in ((axes[0], cos_state, "worst aux layer: min cosine vs its threshold"),
+                             (axes[1], acc_state, "accept length vs the own-features drafter (verdict)")):
+        ax.imshow([[to_rgb(STATE_COLOURS[st]) for st in row] for row in states], aspect="auto")
         ax.set_xticks(range(len(engines)), engines)
-        ax.set_yticks(range(len(rows)), rows)
+        ax.set_yticks(range(len(rows)), [f"{r} (planted fault)" if r in planted else r for r in rows])
+        ax.set_xticks([x - 0.5 for x in range(1, len(engines))], minor=True)
+        ax.set_yticks([y - 0.5 for y in range(1, len(rows))], minor=True)
+        ax.grid(which="minor", color="white", lw=2)
+        ax.tick_params(which="minor", length=0)
         ax.set_xlabel("serving engine")
         ax.set_title(name, fontsize=10)
         for i, r in enumerate(rows):
             for j, e in enumerate(engines):
                 c = by.get((r, e))
                 if c is None:
+                    ax.text(j, i, "not measured", ha="center", va="center", fontsize=8, color="grey")
                     continue
-                txt = fmt.format(data[i, j])
-                if ax is axes[0] and not c.aligned:
-                    txt += " ✗"
-                if ax is axes[1]:
-                    txt += f"\n{c.verdict}"
+                if ax is axes[0]:
+                    w = _worst_layer(c)
+                    txt = f"layer {w.layer}: {w.cos_min:.4f}\n{'>=' if w.ok else '<'} {w.threshold:.4f} {'ok' if w.ok else '✗'}"
+                else:
+                    own = "" if c.own_accept_length is None else (
+                        f" vs {c.own_accept_length:.3f} ({c.accept_length / c.own_accept_length - 1:+.1%})")
+                    txt = f"{c.accept_length:.3f}{own}\n{c.verdict}"
                 ax.text(j, i, txt, ha="center", va="center", fontsize=8)
-        fig.colorbar(im, ax=ax, shrink=0.8)
     axes[0].set_ylabel("extraction path of the training features")
-    fig.tight_layout()
+    legend = [Patch(color=STATE_COLOURS["PASS"], label="PASS / at or above threshold"),
+              Patch(color=STATE_COLOURS["FAIL"], label="FAIL / below threshold"),
+              Patch(color=STATE_COLOURS["INCONCLUSIVE"], label="INCONCLUSIVE")]
+    fig.legend(handles=legend, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def cell_from_json(d: Mapping[str, Any]) -> MatrixCell:
+    """A cell back from :meth:`MatrixCell.to_json` (``eagle3-matrix-*.json``), e.g. to redraw its heatmap."""
+    known = {"row", "engine", "planted", "aligned", "layers", "accept_length", "pos_rates", "own_accept_length",
+             "verdict", "reason"}
+    return MatrixCell(row=d["row"], engine=d["engine"], planted=bool(d["planted"]),
+                      layers=tuple(LayerAgreement(int(k), float(v["cosine_min"]), float(v["threshold"]))
+                                   for k, v in d["layers"].items()),
+                      accept_length=float(d["accept_length"]), pos_rates=tuple(d.get("pos_rates") or ()),
+                      own_accept_length=d.get("own_accept_length"), verdict=d["verdict"], reason=d.get("reason", ""),
+                      extra={k: v for k, v in d.items() if k not in known})
 
 
 def cell_decision(cell: MatrixCell, tolerance: float) -> Any:
