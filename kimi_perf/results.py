@@ -324,7 +324,7 @@ def export(run: RunResults, fmt: str, out: Path, metrics: Sequence[str] | None =
         written = []
         for tool, entries in to_gab(run, metrics).items():
             path = out / GAB_FILES[tool]
-            path.write_text(json.dumps(entries, indent=1, allow_nan=False) + "\n")
+            path.write_text(json.dumps(entries, indent=1, allow_nan=False, ensure_ascii=False) + "\n")
             written.append(path)
         return written
     raise ValueError(f"unknown export format {fmt!r}: bencher or gab")
