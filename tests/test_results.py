@@ -245,3 +245,14 @@ def test_cli_export_and_its_errors(run_dir, tmp_path, capsys):
         assert e.value.code == 2
     err = capsys.readouterr().err
     assert "no run file at" in err and "invalid choice: 'csv'" in err and "unknown metric(s) ['tok_s']" in err
+
+
+def test_the_docs_unit_and_direction_table_matches_the_metrics_registry():
+    text = (ROOT / "docs" / "results-export.md").read_text()
+    rows = {}
+    for ln in text.splitlines():
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = tuple(cells[1:])
+    assert rows == {m.name: (m.unit, m.direction, "customBiggerIsBetter" if m.direction == "higher"
+                             else "customSmallerIsBetter") for m in METRICS.values()}
