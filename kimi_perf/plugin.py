@@ -252,8 +252,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
     (``check``, ``check_ab``, ``fail=False`` with its own assertion) is covered alike."""
     outcome = yield
     rep = outcome.get_result()
-    if rep.when != "call" or not rep.passed or not item.config.getoption("perf_strict", False):
+    cfg = item.config
+    if rep.when != "call" or not rep.passed or not cfg.getoption("perf_strict", False):
         return
+    if cfg.getoption("perf_update_baselines", False):
+        return  # recording baselines: nothing fails on a verdict (they read UPDATED)
     soft = unresolved_verdicts(item.user_properties)
     if soft:
         rep.outcome = "failed"

@@ -9,6 +9,7 @@ import os
 import stat
 
 import pytest
+from test_plugin import project  # noqa: F401 - the scratch-project fixture toy_project builds on
 
 PROFILE = {"name": "toy", "description": "toy profile", "hardware": "cpu",
            "model": {"source": "embedded", "name": "toy-model"}, "engines": {"reference": {"kind": "reference"}},
@@ -35,33 +36,33 @@ def test_inconclusive_decided_by_the_test(perf_gate):
 
 
 @pytest.fixture
-def project(pytester):
-    pytester.makeconftest('pytest_plugins = ["kimi_perf.plugin"]')
-    pytester.makeini("[pytest]\naddopts = --strict-markers -p no:cacheprovider\n")
-    (pytester.path / "profiles").mkdir()
-    (pytester.path / "profiles" / "toy.json").write_text(json.dumps(PROFILE))
-    return pytester
+def toy_project(project):  # noqa: F811 - test_plugin's fixture, imported above
+    """test_plugin's scratch project (plugin, ini, profiles/), with this module's two-repeat profile."""
+    (project.path / "profiles" / "toy.json").write_text(json.dumps(PROFILE))
+    return project
 
 
-def test_strict_fails_warn_and_inconclusive_that_otherwise_pass(project):
-    project.makepyfile(test_toy=GATED.replace("{speed}", "100.0"))
-    project.runpytest_subprocess("--perf-profile", "toy", "--perf-update-baselines").assert_outcomes(passed=2)
-    project.makepyfile(test_toy=GATED.replace("{speed}", "70.0"))
-    r = project.runpytest_subprocess("--perf-profile", "toy")
+def test_strict_fails_warn_and_inconclusive_that_otherwise_pass(toy_project):
+    toy_project.makepyfile(test_toy=GATED.replace("{speed}", "100.0"))
+    # recording baselines: nothing fails on a verdict, --perf-strict or not (the decided INCONCLUSIVE stays)
+    toy_project.runpytest_subprocess("--perf-profile", "toy", "--perf-update-baselines",
+                                     "--perf-strict").assert_outcomes(passed=2)
+    toy_project.makepyfile(test_toy=GATED.replace("{speed}", "70.0"))
+    r = toy_project.runpytest_subprocess("--perf-profile", "toy")
     r.assert_outcomes(passed=2, warnings=2)
     r.stdout.fnmatch_lines(["*output_throughput*WARN*", "*spec_speedup*INCONCLUSIVE*"])
-    r = project.runpytest_subprocess("--perf-profile", "toy", "--perf-strict")
+    r = toy_project.runpytest_subprocess("--perf-profile", "toy", "--perf-strict")
     r.assert_outcomes(failed=2, warnings=2)
     assert r.ret == pytest.ExitCode.TESTS_FAILED
     r.stdout.fnmatch_lines(["*kimi-perf --perf-strict: verdicts that are not a PASS fail this run:*",
                             "*toy [[]reference c=1[]] output_throughput: WARN: beyond tolerance by magnitude only*",
                             "*toy_ratio [[]reference c=1[]] spec_speedup: INCONCLUSIVE: interval [[]0.97, 1.08[]]*"])
     # the run file records the tests as failed, so the summary and history see what CI saw
-    run = json.loads((project.path / "perf-report" / "run.json").read_text())
+    run = json.loads((toy_project.path / "perf-report" / "run.json").read_text())
     assert {r["outcome"] for r in run["results"]} == {"failed"}
     # a PASS stays a pass under --perf-strict
-    project.makepyfile(test_toy=GATED.replace("{speed}", "100.0").split("@pytest.mark.perf\ndef test_inconclusive")[0])
-    project.runpytest_subprocess("--perf-profile", "toy", "--perf-strict").assert_outcomes(passed=1)
+    toy_project.makepyfile(test_toy=GATED.replace("{speed}", "100.0").split("@pytest.mark.perf\ndef test_inconclusive")[0])
+    toy_project.runpytest_subprocess("--perf-profile", "toy", "--perf-strict").assert_outcomes(passed=1)
 
 
 HOST_TESTS = '''
@@ -127,24 +128,24 @@ def test_sees_its_own_gpu(perf_session, i):
 '''
 
 
-def test_xdist_workers_get_their_own_gpu_or_n_is_refused(project, tmp_path, monkeypatch):
+def test_xdist_workers_get_their_own_gpu_or_n_is_refused(toy_project, tmp_path, monkeypatch):
     pytest.importorskip("xdist")
     cuda = {**PROFILE, "name": "gpu-toy", "hardware": "cuda", "min_gpus": 1}
-    (project.path / "profiles" / "gpu-toy.json").write_text(json.dumps(cuda))
+    (toy_project.path / "profiles" / "gpu-toy.json").write_text(json.dumps(cuda))
     monkeypatch.setenv("PATH", f"{_fake_nvidia_smi(tmp_path, 2)}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    project.makepyfile(test_gpu=CUDA_TEST)
-    r = project.runpytest_subprocess("--perf-profile", "gpu-toy", "-n", "3")
+    toy_project.makepyfile(test_gpu=CUDA_TEST)
+    r = toy_project.runpytest_subprocess("--perf-profile", "gpu-toy", "-n", "3")
     assert r.ret == pytest.ExitCode.USAGE_ERROR
     r.stderr.fnmatch_lines(["*-n 3: profile gpu-toy is a cuda profile*so 3 workers need 3 GPUs; this machine has 2 "
                             "visible. Fix: -n 2 or fewer, or run without -n*"])
     monkeypatch.setenv("GPU_OUT", str(tmp_path))
-    r = project.runpytest_subprocess("--perf-profile", "gpu-toy", "-n", "2")
+    r = toy_project.runpytest_subprocess("--perf-profile", "gpu-toy", "-n", "2")
     r.assert_outcomes(passed=4)
     r.stdout.fnmatch_lines(["*kimi-perf: -n 2 on cuda profile gpu-toy: worker i gets CUDA_VISIBLE_DEVICES gw0=0, gw1=1*"])
     seen = sorted((tmp_path / f"gpu-gw{i}.txt").read_text() for i in range(2))
     assert seen == ["0 1", "1 1"]  # each worker sees one GPU, its own
     # a CPU profile under -n: allowed, and the header says what it costs
-    r = project.runpytest_subprocess("--perf-profile", "toy", "-n", "2")
+    r = toy_project.runpytest_subprocess("--perf-profile", "toy", "-n", "2")
     r.stdout.fnmatch_lines(["*kimi-perf: -n 2 on CPU profile toy: each xdist worker launches its own server*"
                             "not comparable to baselines recorded without -n*"])
