@@ -256,3 +256,32 @@ def test_the_docs_unit_and_direction_table_matches_the_metrics_registry():
             rows[cells[0].strip("`")] = tuple(cells[1:])
     assert rows == {m.name: (m.unit, m.direction, "customBiggerIsBetter" if m.direction == "higher"
                              else "customSmallerIsBetter") for m in METRICS.values()}
+
+
+def test_eagle3_generation_runs_are_captured_for_the_running_test(monkeypatch):
+    """The EAGLE-3 speedup/acceptance measurement calls the client directly, not bench.measure: its
+    repeat is noted too, so the test's check writes its requests."""
+    from types import SimpleNamespace
+
+    from kimi_perf import results
+    from kimi_perf.eagle3 import evaluate
+    from kimi_perf.load.results import BenchResult, RequestRecord, compute_metrics
+    from kimi_perf.load.workload import Workload
+
+    recs = [RequestRecord(index=i, prompt_len=3, max_tokens=4, ok=True, error=None, t_send=0.0, t_first=0.1,
+                          t_end=0.4, chunk_times=(0.1, 0.2, 0.3, 0.4), completion_tokens=4, text="abcd")
+            for i in range(2)]
+    fake = BenchResult(workload=Workload(name="eagle3-eval"), records=tuple(recs),
+                       metrics=compute_metrics(recs, 1), duration_s=0.4, client_cpu_s=0.0)
+    monkeypatch.setattr(evaluate, "flush_cache", lambda *a, **k: SimpleNamespace(describe=lambda: "flushed"))
+    monkeypatch.setattr(evaluate, "_get_json", lambda url: None)
+    monkeypatch.setattr(evaluate, "read_spec_counters", lambda url: None)
+    monkeypatch.setattr(evaluate, "run_workload", lambda *a, **k: fake)
+    results.begin_capture()
+    try:
+        out = evaluate.measure_generation("http://127.0.0.1:1", "m", [[1, 2, 3]] * 2, 4, engine="reference")
+        assert out.texts == ("abcd", "abcd") and results.drain() == [fake] and results.drain() == []
+    finally:
+        results.end_capture()
+    evaluate.measure_generation("http://127.0.0.1:1", "m", [[1, 2, 3]] * 2, 4, engine="reference")
+    assert results.drain() == []  # outside a test nothing is collected

@@ -42,6 +42,7 @@ from typing import Any
 from ..load.client import run_workload
 from ..load.workload import Workload
 from ..promparse import counter_sum, parse_prometheus
+from ..results import note as note_repeat
 
 __all__ = ["AcceptanceResult", "FlushError", "FlushOutcome", "SGLangAcceptance", "SpecCounters",
            "WIRING_HINT", "flush_cache", "measure_generation", "read_spec_counters", "sglang_acceptance"]
@@ -394,6 +395,7 @@ def measure_generation(base_url: str, model: str, prompts: Sequence[Sequence[int
     w = Workload(name=name, dataset="mtbench", input_len=max(len(p) for p in prompts), output_len=max_new_tokens,
                  num_prompts=len(prompts), concurrency=concurrency, warmup=0, ignore_eos=False)
     res = run_workload(base_url, model, prompts, w)
+    note_repeat(res)  # the running test's per-request records (kimi_perf.results)
     if res.metrics["error_rate"] > 0:
         raise RuntimeError(f"{name}: {int(res.metrics['num_failed'])} requests failed: {res.errors[:3]}")
     after = read_spec_counters(base_url)
