@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .metrics import METRICS
+from .metrics import METRICS, MetricDef
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -275,6 +275,18 @@ def _summaries(run: RunResults, metrics: Sequence[str] | None = None) -> list[di
                 continue
             out.append({"bench": bench, "metric": md, "value": float(np.median(v)), "lo": min(v), "hi": max(v),
                         "n": len(v), "verdict": verdicts.get(m), "engine_version": rec.get("engine_version")})
+        ab = rec.get("ab") or {}
+        for d in ab.get("decisions") or []:  # same-run A/B: the candidate/base ratio and its interval
+            md = METRICS.get(d.get("metric"))
+            if md is None or not all(_finite(d.get(f)) for f in ("ratio", "ratio_lo", "ratio_hi")):
+                continue
+            if metrics and md.name not in metrics:
+                continue
+            ratio = MetricDef(f"{d.get('probe')}:{md.name}:ab_ratio", "x", md.direction,
+                              f"candidate/base ratio of {md.name}")
+            out.append({"bench": f"{k.get('scenario')}/{k.get('engine')}/ab-vs-{ab.get('base')}", "metric": ratio,
+                        "value": float(d["ratio"]), "lo": float(d["ratio_lo"]), "hi": float(d["ratio_hi"]),
+                        "n": d.get("n_pairs"), "verdict": d.get("verdict"), "engine_version": rec.get("engine_version")})
     return out
 
 
@@ -282,7 +294,9 @@ def to_bencher(run: RunResults, metrics: Sequence[str] | None = None) -> dict[st
     """Bencher Metric Format: ``{benchmark: {measure: {value, lower_value, upper_value}}}``; benchmark
     = ``scenario/engine/workload/c<concurrency>``, measure = the metric name, value = the median of the
     repeats and lower/upper = their min/max. BMF carries no unit or direction: a Bencher measure gets
-    them where it is created (docs/results-export.md lists them from kimi_perf.metrics)."""
+    them where it is created (docs/results-export.md lists them from kimi_perf.metrics). A same-run
+    A/B result adds ``<probe>:<metric>:ab_ratio`` (candidate/base, lower/upper = its interval) under
+    ``scenario/engine/ab-vs-<base>``."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     for s in _summaries(run, metrics):
         out.setdefault(s["bench"], {})[s["metric"].name] = {"value": s["value"], "lower_value": s["lo"],
@@ -300,7 +314,8 @@ def to_gab(run: RunResults, metrics: Sequence[str] | None = None) -> dict[str, l
     for s in _summaries(run, metrics):
         md = s["metric"]
         spread = max(s["hi"] - s["value"], s["value"] - s["lo"])
-        extra = (f"{s['n']} repeats, min {s['lo']:.6g}, max {s['hi']:.6g}; verdict {s['verdict'] or 'not gated'}; "
+        spread_of = "pairs, interval" if md.name.endswith(":ab_ratio") else "repeats, min/max"
+        extra = (f"{s['n']} {spread_of} {s['lo']:.6g}..{s['hi']:.6g}; verdict {s['verdict'] or 'not gated'}; "
                  f"profile {d.get('profile')}, hardware {d.get('hardware')}"
                  + (f", engine {s['engine_version']}" if s["engine_version"] else ""))
         tool = "customBiggerIsBetter" if md.direction == "higher" else "customSmallerIsBetter"

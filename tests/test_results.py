@@ -285,3 +285,27 @@ def test_eagle3_generation_runs_are_captured_for_the_running_test(monkeypatch):
         results.end_capture()
     evaluate.measure_generation("http://127.0.0.1:1", "m", [[1, 2, 3]] * 2, 4, engine="reference")
     assert results.drain() == []  # outside a test nothing is collected
+
+
+def test_ab_ratios_are_exported_with_their_interval_and_the_metrics_direction(tmp_path):
+    ab = {"base": "git:HEAD~1", "decisions": [
+        {"probe": "single_stream", "metric": "decode_tok_s", "ratio": 0.97, "ratio_lo": 0.95, "ratio_hi": 0.99,
+         "n_pairs": 6, "verdict": "FAIL"},
+        {"probe": "sweep", "metric": "tpot_ms_p50", "ratio": 1.01, "ratio_lo": 0.98, "ratio_hi": 1.04,
+         "n_pairs": 6, "verdict": "PASS"},
+        {"probe": "sweep", "metric": "ttft_ms_p50", "ratio": float("nan"), "ratio_lo": float("nan"),
+         "ratio_hi": float("nan"), "n_pairs": 0, "verdict": "INCONCLUSIVE"}]}
+    rec = {"nodeid": "t::ab", "key": {"scenario": "ab_throughput", "engine": "reference", "model": "m",
+                                      "hardware": "h", "workload": "w", "concurrency": 8}, "samples": {},
+           "decisions": [], "ab": ab}
+    run = RunResults(tmp_path / "run.json", {"profile": "p", "hardware": "h", "results": [rec]})
+    bmf = to_bencher(run)
+    _validate(bmf, BMF_SCHEMA)
+    assert bmf == {"ab_throughput/reference/ab-vs-git:HEAD~1": {
+        "single_stream:decode_tok_s:ab_ratio": {"value": 0.97, "lower_value": 0.95, "upper_value": 0.99},
+        "sweep:tpot_ms_p50:ab_ratio": {"value": 1.01, "lower_value": 0.98, "upper_value": 1.04}}}
+    gab = to_gab(run)
+    assert [e["name"].split()[-1] for e in gab["customBiggerIsBetter"]] == ["single_stream:decode_tok_s:ab_ratio"]
+    assert [e["name"].split()[-1] for e in gab["customSmallerIsBetter"]] == ["sweep:tpot_ms_p50:ab_ratio"]
+    assert "6 pairs, interval 0.95..0.99; verdict FAIL" in gab["customBiggerIsBetter"][0]["extra"]
+    assert run.verdicts().kind.tolist() == ["ab"] * 3
