@@ -79,9 +79,9 @@ def check_workers(config: pytest.Config) -> None:
         return
     if profile.hardware != "cuda":
         config.stash[_NOTE] = (
-            f"kimi-perf: -n {n} on CPU profile {profile.name}: each xdist worker launches its own server of "
-            f"every engine its tests use (up to {n} per engine), sharing {os.cpu_count()} CPU cores; perf "
-            "numbers measured so are not comparable to baselines recorded without -n")
+            f"kimi-perf: -n {n} on CPU profile {profile.name}: if perf tests run, each xdist worker launches its "
+            f"own server of every engine its tests use (up to {n} per engine), sharing {os.cpu_count()} CPU "
+            "cores; perf numbers measured so are not comparable to baselines recorded without -n")
         return
     from .machine import gpu_info
 
