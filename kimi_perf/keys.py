@@ -23,11 +23,10 @@ Nothing here imports torch or an engine.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import Any
 
 from .baselines import BaselineKey
 from .profiles import Profile, ThroughputSpec
+from .sections import ALIGNMENT_DTYPES, Eagle3Section
 
 __all__ = ["EAGLE3_SCENARIOS", "THROUGHPUT_SCENARIOS", "eagle3_eval", "eagle3_workload", "matrix_workload", "scenario_workload",
            "slo_workload", "throughput_workload", "unreachable"]
@@ -38,11 +37,10 @@ THROUGHPUT_SCENARIOS = {"single_stream": "single", "decode_floor": "single",
 EAGLE3_SCENARIOS = frozenset({"eagle3_acceptance", "eagle3_speedup", "eagle3_planted_offset"})
 
 
-def eagle3_eval(eagle3: Mapping[str, Any]) -> tuple[int, int, int]:
-    """(held-out prompts, max new tokens, draft steps) of an ``eagle3`` section, with the defaults the
-    drafter fixture uses (``fixtures/drafters.py``: prompts 8, max_new_tokens 64, steps 3)."""
-    ev = dict(eagle3.get("eval", {}))
-    return int(ev.get("prompts", 8)), int(ev.get("max_new_tokens", 64)), int(eagle3.get("steps", 3))
+def eagle3_eval(eagle3: Eagle3Section) -> tuple[int, int, int]:
+    """(held-out prompts, max new tokens, draft steps) of an ``eagle3`` section (its defaults are
+    kimi_perf.sections', the ones the drafter fixture runs with)."""
+    return eagle3.eval.prompts, eagle3.eval.max_new_tokens, eagle3.steps
 
 
 def eagle3_workload(profile: Profile) -> str:
@@ -114,13 +112,7 @@ _LAYER = r"layer-(\d+|final)"
 
 
 def _alignment_problem(profile: Profile, key: BaselineKey) -> str | None:
-    from .alignment.plan import ALIGNMENT_DTYPES, PlanError, alignment_engines
-
-    try:
-        engines = alignment_engines(profile.alignment, profile.engines)
-    except PlanError as e:
-        return f"the profile's alignment section is invalid: {e}"
-    dtypes = tuple(profile.alignment.get("dtypes", ALIGNMENT_DTYPES))
+    engines, dtypes = profile.alignment.engines, profile.alignment.dtypes
     s, w = key.scenario, key.workload
     if key.concurrency != 1:
         return f"alignment runs at concurrency 1, not {key.concurrency}"
@@ -160,15 +152,11 @@ def _alignment_problem(profile: Profile, key: BaselineKey) -> str | None:
 def _matrix_problem(profile: Profile, key: BaselineKey) -> str | None:
     """perf_tests/test_matrix.py: one key per cell, workload EAGLE3_WORKLOAD:ROW, engine = serving engine;
     the retraining-noise keys likewise, ROW being the engine's own-features row."""
-    from .eagle3.matrix import MatrixPlan, own_row
+    from .eagle3.matrix import own_row
 
-    raw = (profile.eagle3 or {}).get("matrix")
-    if not raw:
+    plan = profile.eagle3.matrix if profile.eagle3 else None
+    if plan is None:
         return "the profile has no eagle3.matrix section"
-    try:
-        plan = MatrixPlan.from_section(raw, profile.engines)
-    except ValueError as e:
-        return f"the profile's eagle3.matrix section is invalid: {e}"
     if key.concurrency != 1:
         return f"{key.scenario} runs at concurrency 1, not {key.concurrency}"
     # test_matrix_retrain_noise: one key per engine of the full matrix, its own-features row
@@ -208,14 +196,9 @@ def unreachable(profile: Profile, key: BaselineKey) -> str | None:
         want = throughput_workload(tp, s, key.concurrency)
         return None if key.workload == want else f"workload {key.workload!r}: the profile's {s} runs {want!r}"
     if s in EAGLE3_SCENARIOS:
-        from .alignment.plan import PlanError, eagle3_engines
-
         if not profile.eagle3:
             return f"the profile has no eagle3 section, so no {s}"
-        try:
-            engines = eagle3_engines(profile.eagle3, profile.engines)
-        except PlanError as e:
-            return f"the profile's eagle3 section is invalid: {e}"
+        engines = profile.eagle3.engines
         if s == "eagle3_acceptance" and "vllm" in profile.engines:
             # test_acceptance_in_vllm serves the same drafter on vllm when eagle3.engines leaves it out
             engines = (*engines, "vllm")

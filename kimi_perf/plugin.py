@@ -50,6 +50,7 @@ from .options import (
     check_rootdir,
 )
 from .recorder import PROP, PerfGate, PerfRegression, PerfWarning, _finite, unresolved_verdicts
+from .sections import NcclSection
 from .session import (
     _PARAM_FIXTURES,
     _SESSION_FIXTURES,
@@ -150,19 +151,58 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         kinds = getattr(metafunc.function, "perf_engine_kinds", None)
         names = [e for e in s.engines if kinds is None or s.profile.engines[e]["kind"] in kinds]
         metafunc.parametrize("perf_engine_name", names, ids=names, scope="session")
+    nc = s.profile.nccl
     if "perf_nccl_preset" in metafunc.fixturenames:
-        presets = list(s.profile.nccl.get("presets", []))[1:]  # the first is the reference of the A/B
-        ids = [f"{p}-vs-{s.profile.nccl['presets'][0]}" for p in presets]
+        presets = list(nc.presets[1:]) if nc else []  # the first is the reference of the A/B
+        ids = [f"{p}-vs-{nc.reference}" for p in presets] if nc else []
         metafunc.parametrize("perf_nccl_preset", presets or [None], ids=ids or ["no-presets"])
     if "perf_nccl_concurrency" in metafunc.fixturenames:
-        conc = list(s.profile.nccl.get("concurrency", [1]))
+        conc = list(nc.concurrency if nc else NcclSection.concurrency)
         metafunc.parametrize("perf_nccl_concurrency", conc, ids=[f"c{c}" for c in conc])
     if "perf_allreduce_tokens" in metafunc.fixturenames:
-        toks = list(s.profile.allreduce.get("tokens", [1, 8, 32, 128])) if s.profile.allreduce else [None]
+        toks = list(s.profile.allreduce.tokens) if s.profile.allreduce else [None]
         metafunc.parametrize("perf_allreduce_tokens", toks, ids=[f"t{t}" if t else "none" for t in toks])
     if "perf_concurrency" in metafunc.fixturenames:
         conc = s.profile.throughput.concurrency if s.profile.throughput else (1,)
         metafunc.parametrize("perf_concurrency", list(conc), ids=[f"c{c}" for c in conc])
+    _parametrize_spec_engines(metafunc, s)
+
+
+def _parametrize_engines(metafunc: pytest.Metafunc, argname: str, names: list[str], why: str) -> None:
+    """Parametrize ``argname`` by engine name (test ids ``[engine]``); with none selected, one skipped
+    case carrying the reason, so the report says why instead of pytest's bare "empty parameter set"."""
+    if names:
+        metafunc.parametrize(argname, names, ids=names)
+    else:
+        metafunc.parametrize(argname, [pytest.param(None, marks=pytest.mark.skip(reason=why))], ids=["none"])
+
+
+def _parametrize_spec_engines(metafunc: pytest.Metafunc, s: PerfSession) -> None:
+    """The EAGLE-3 and alignment tests' engines: ``eagle3_engine`` from ``eagle3.engines``,
+    ``align_engine`` from ``alignment.engines`` (``planted_engine``: its SGLang engines), ``decode_engine``
+    every vLLM engine of the profile; each narrowed to what --perf-engine selected."""
+    from .alignment.plan import selected_engines
+
+    p, names = s.profile, metafunc.fixturenames
+    kind = {e: str(raw.get("kind")) for e, raw in p.engines.items()}
+    if "eagle3_engine" in names:
+        if p.eagle3 is None:
+            _parametrize_engines(metafunc, "eagle3_engine", [], f"profile {p.name} has no eagle3 section")
+        else:
+            _parametrize_engines(metafunc, "eagle3_engine", *selected_engines(p.eagle3.engines, s.engines,
+                                                                                "eagle3.engines"))
+    listed = p.alignment.engines
+    if "align_engine" in names:
+        _parametrize_engines(metafunc, "align_engine", *selected_engines(listed, s.engines, "alignment.engines"))
+    if "planted_engine" in names:
+        # kind.get: alignment.engines defaults to ["reference"], which a GPU-only profile may not define
+        sg = [e for e in listed if kind.get(e) == "sglang"]
+        _parametrize_engines(metafunc, "planted_engine",
+                             *selected_engines(sg, s.engines, "alignment.engines (SGLang engines)"))
+    if "decode_engine" in names:
+        # every vLLM engine of the profile: the capture is test_alignment.py's too (no extra launch)
+        vl = [e for e in p.engines if kind[e] == "vllm"]
+        _parametrize_engines(metafunc, "decode_engine", *selected_engines(vl, s.engines, "engines (vLLM engines)"))
 
 
 def _markexpr_names(config: pytest.Config) -> set[str]:

@@ -20,6 +20,17 @@ from .load.slo import SLOSpec, parse_slo
 from .load.workload import Workload
 from .metrics import METRICS
 from .models.shapes import DUMMY_SHAPES  # re-exported: profiles name these shapes, callers import them here
+from .sections import (
+    AlignmentSection,
+    AllReduceSection,
+    Eagle3Section,
+    NcclSection,
+    SectionError,
+    parse_alignment,
+    parse_allreduce,
+    parse_eagle3,
+    parse_nccl,
+)
 from .stats import GateConfig
 
 __all__ = ["GateSpec", "ModelSpec", "Profile", "ProfileError", "ThroughputSpec", "find_profile", "load_profile"]
@@ -78,11 +89,12 @@ class Profile:
     repeats: int
     throughput: ThroughputSpec | None
     gate: GateSpec
-    eagle3: Mapping[str, Any] = field(default_factory=dict)
-    alignment: Mapping[str, Any] = field(default_factory=dict)
-    nccl: Mapping[str, Any] = field(default_factory=dict)
+    # the typed sections (kimi_perf.sections): None where the profile has none; alignment has defaults
+    eagle3: Eagle3Section | None = None
+    alignment: AlignmentSection = field(default_factory=AlignmentSection)
+    nccl: NcclSection | None = None
     # all-reduce micro-benchmark (kimi_perf.nccl): AllReduceSpec fields plus presets / preferred / min_ratio
-    allreduce: Mapping[str, Any] = field(default_factory=dict)
+    allreduce: AllReduceSection | None = None
     sources: Mapping[str, str] = field(default_factory=dict)
     # pin the baseline hardware key when the detected machine matches (GPU product names vary by SKU
     # and driver: "RTX PRO 6000 Blackwell Server Edition" vs "... Workstation Edition")
@@ -259,17 +271,13 @@ def _load_profile(path: Path) -> Profile:
     for section in ("eagle3", "alignment", "nccl", "sources", "allreduce"):
         if section in raw and not isinstance(raw[section], dict):
             raise _e(path, section, "must be an object", "see profiles/embedded-cpu.json")
-    ar = raw.get("allreduce", {})
-    if ar:
-        _check_allreduce(path, ar)
-    if raw.get("nccl"):
-        _check_nccl(path, raw["nccl"], engines)
-    from .alignment.plan import PlanError, check_alignment_section, check_eagle3_section
-
     try:
-        check_eagle3_section(raw.get("eagle3", {}), engines)
-        check_alignment_section(raw.get("alignment", {}), engines)
-    except PlanError as ex:
+        # each section parsed once, here: the tests read the typed result (kimi_perf.sections)
+        eagle3 = parse_eagle3(raw.get("eagle3"), engines)
+        alignment = parse_alignment(raw.get("alignment"), engines)
+        nccl = parse_nccl(raw.get("nccl"), engines)
+        allreduce = parse_allreduce(raw.get("allreduce"))
+    except SectionError as ex:
         raise _e(path, ex.key, ex.problem, ex.fix) from None
     for section in ("ab", "variants"):
         if section in raw and not isinstance(raw[section], dict):
@@ -285,61 +293,10 @@ def _load_profile(path: Path) -> Profile:
     return Profile(
         name=name, path=Path(path), description=str(raw.get("description", "")), hardware=hw, min_gpus=min_gpus,
         model=model, engines=engines, default_engines=tuple(default), repeats=repeats, throughput=tp,
-        gate=GateSpec(gcfg, {k: float(v) for k, v in floors.items()}), eagle3=raw.get("eagle3", {}),
-        alignment=raw.get("alignment", {}), nccl=raw.get("nccl", {}), sources=raw.get("sources", {}),
-        hardware_match=hm, allreduce=ar, ab=ab, variants=variants,
+        gate=GateSpec(gcfg, {k: float(v) for k, v in floors.items()}), eagle3=eagle3,
+        alignment=alignment, nccl=nccl, sources=raw.get("sources", {}),
+        hardware_match=hm, allreduce=allreduce, ab=ab, variants=variants,
     )
-
-
-NCCL_KEYS = frozenset({"engine", "presets", "concurrency", "min_ratio"})
-
-
-def _check_nccl(path: Path, nc: Mapping[str, Any], engines: Mapping[str, Any]) -> None:
-    """The ``nccl`` section (the engine-level NCCL preset A/B of perf_tests/test_engine_presets.py).
-    Validated like every other section: a typo such as ``"min_ration"`` would otherwise fall back to
-    the default silently and gate on a threshold nobody chose."""
-    from .engines.presets import NCCL_PRESETS
-
-    bad = set(nc) - NCCL_KEYS
-    if bad:
-        raise _e(path, "nccl", f"unknown key(s) {sorted(bad)}", f"allowed keys: {sorted(NCCL_KEYS)}")
-    eng = nc.get("engine")
-    if eng is not None and eng not in engines:
-        raise _e(path, "nccl.engine", f"{eng!r} is not an engine of the profile", f"one of {sorted(engines)}")
-    presets = nc.get("presets", [])
-    if (not isinstance(presets, list) or len(presets) < 2
-            or not all(isinstance(p, str) and p in NCCL_PRESETS for p in presets)):
-        raise _e(path, "nccl.presets", f"{presets!r}",
-                 f"a list of >= 2 preset names, the reference first; presets: {', '.join(NCCL_PRESETS)}")
-    conc = nc.get("concurrency", [1])
-    if not isinstance(conc, list) or not conc or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1
-                                                         for c in conc):
-        raise _e(path, "nccl.concurrency", f"{conc!r}", "a list of concurrencies >= 1, e.g. [1, 128]")
-    mr = nc.get("min_ratio", 1.0)
-    if isinstance(mr, bool) or not isinstance(mr, (int, float)) or not 0 < mr < 10:
-        raise _e(path, "nccl.min_ratio", f"{mr!r}", "the preferred preset's minimum throughput ratio, e.g. 1.0")
-
-
-def _check_allreduce(path: Path, ar: Mapping[str, Any]) -> None:
-    from .engines.presets import NCCL_PRESETS
-    from .nccl import AllReduceSpec
-
-    own = {"presets", "preferred", "min_ratio", "timeout_s"}
-    spec_fields = {k: v for k, v in ar.items() if k not in own}
-    try:
-        # world_size is checked against the visible GPUs at run time; 2 only validates the rest here
-        AllReduceSpec.from_dict({"world_size": 2, **spec_fields})
-    except (TypeError, ValueError) as ex:
-        raise _e(path, "allreduce", str(ex), "see kimi_perf.nccl.AllReduceSpec for the fields") from None
-    presets = ar.get("presets", ["default", "seed-pcie-tuned"])
-    if (not isinstance(presets, list) or len(presets) < 2
-            or not all(isinstance(p, str) and p in NCCL_PRESETS for p in presets)):
-        raise _e(path, "allreduce.presets", f"{presets!r}",
-                 f"a list of >= 2 preset names, the reference first; presets: {', '.join(NCCL_PRESETS)}")
-    pref = ar.get("preferred", presets[1])
-    if pref not in presets[1:]:
-        raise _e(path, "allreduce.preferred", f"{pref!r} is not one of the compared presets after the reference",
-                 f"one of {presets[1:]}")
 
 
 def find_profile(name_or_path: str, roots: list[Path]) -> Path:

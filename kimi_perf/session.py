@@ -160,7 +160,8 @@ def _build_session(config: pytest.Config) -> PerfSession:
 _FAILED_KEY = pytest.StashKey[str]()
 # fixtures pytest_generate_tests parametrizes from the profile: a test that asks for one needs the session
 _PARAM_FIXTURES = frozenset({"perf_engine_name", "perf_nccl_preset", "perf_nccl_concurrency",
-                             "perf_allreduce_tokens", "perf_concurrency"})
+                             "perf_allreduce_tokens", "perf_concurrency",
+                             "eagle3_engine", "align_engine", "planted_engine", "decode_engine"})
 # every fixture of fixtures/ reaches the session through perf_session, so the closure names it
 _SESSION_FIXTURES = _PARAM_FIXTURES | {"perf_session", "perf_gate"}
 

@@ -18,21 +18,18 @@ pytestmark = [pytest.mark.perf, pytest.mark.gpu]
 
 @pytest.fixture(scope="session")
 def allreduce_ab(perf_session):
-    from kimi_perf.nccl import AllReduceError, AllReduceSpec, compare_presets
+    from kimi_perf.nccl import AllReduceError, compare_presets
     from kimi_perf.progress import log
 
-    sec = dict(perf_session.profile.allreduce)
-    if not sec:
+    sec = perf_session.profile.allreduce
+    if sec is None:
         pytest.skip(f"profile {perf_session.profile.name} has no allreduce section")
     gpus = len(perf_session.gpus)
-    world = int(sec.pop("world_size", 0) or gpus)
+    world = sec.world_size or gpus
     if gpus < 2 or world > gpus:
         pytest.skip(f"an all-reduce across {max(world, 2)} GPUs needs that many; this machine has {gpus}")
-    presets = list(sec.pop("presets", ["default", "seed-pcie-tuned"]))
-    preferred = sec.pop("preferred", presets[1])
-    min_ratio = float(sec.pop("min_ratio", 0.0))
-    timeout = float(sec.pop("timeout_s", 600))
-    spec = AllReduceSpec.from_dict({**sec, "world_size": world, "backend": "nccl"})
+    presets, preferred, min_ratio, timeout = list(sec.presets), sec.preferred_preset, sec.min_ratio, sec.timeout_s
+    spec = sec.spec(world, backend="nccl")
     log(f"all-reduce: {world} ranks, {spec.hidden} x {spec.dtype}, tokens {list(spec.tokens)}, presets "
         f"{presets} x {perf_session.repeats} repeats (interleaved)")
     try:

@@ -40,35 +40,12 @@ import numpy as np
 import pytest
 
 from fixtures.alignment import wants_capture
-from fixtures.drafters import eval_settings, parametrize_engines, spec_engine_config
+from fixtures.drafters import eval_settings, spec_engine_config
 from fixtures.servers import engine_config
 from kimi_perf.eagle3.evaluate import WIRING_HINT, measure_generation
 from kimi_perf.progress import log
 
 pytestmark = [pytest.mark.perf, pytest.mark.eagle]
-
-
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """``eagle3_engine``: the engines of ``eagle3.engines`` (default ``[eagle3.engine]``) that
-    --perf-engine selected."""
-    if "eagle3_engine" not in metafunc.fixturenames:
-        return
-    from kimi_perf.alignment.plan import PlanError, eagle3_engines, selected_engines
-    from kimi_perf.session import session_for_params
-
-    # built here if no earlier module needed it (``pytest perf_tests/test_eagle3.py`` alone: reading the
-    # stash left the test unparametrized and its fixture "not found")
-    s = session_for_params(metafunc.config)
-    if s is None:
-        return
-    try:
-        listed = eagle3_engines(s.profile.eagle3, s.profile.engines)
-    except PlanError as e:
-        raise pytest.UsageError(f"profile {s.profile.path}: {e}") from None
-    if not listed:
-        parametrize_engines(metafunc, "eagle3_engine", [], f"profile {s.profile.name} has no eagle3 section")
-        return
-    parametrize_engines(metafunc, "eagle3_engine", *selected_engines(listed, s.engines, "eagle3.engines"))
 
 
 def _eval(s):
@@ -77,7 +54,7 @@ def _eval(s):
 
 def _engine(perf_session):
     """The profile's primary EAGLE-3 engine (``eagle3.engine``): what test_acceptance_in_vllm compares with."""
-    return str(perf_session.profile.eagle3.get("engine", "reference"))
+    return perf_session.profile.eagle3.engine
 
 
 def _reference_selected(perf_session):
@@ -134,7 +111,7 @@ def test_acceptance(eagle3_engine, eagle3_runs, eagle3_drafter, perf_gate, perf_
     # one deterministic decode read R times: one sample (the median), the repeats kept in the run file
     repeats = {m: [float(v) for v in vals] for m, vals in samples.items()}
     samples = {m: [float(np.median(vals))] for m, vals in repeats.items()}
-    wanted = list(perf_session.profile.eagle3.get("gated", ["accept_length", "accept_rate_pos0"]))
+    wanted = list(perf_session.profile.eagle3.gated)
     ungated = {m: not_measured.get(m, "not measured") for m in wanted
                if m not in samples and m != "spec_speedup"}  # spec_speedup: test_speedup_vs_no_spec
     if ungated:
@@ -292,9 +269,8 @@ def test_layer_mismatch_collapses_acceptance_and_is_named(eagle3_runs, eagle3_dr
     # x1.13 over three CI retrains). Then only the alignment half above is asserted, and the numbers
     # are reported.
     max_new, _, _ = _eval(perf_session)
-    ev = perf_session.profile.eagle3.get("eval", {})
-    max_ratio = float(ev.get("mismatch_max_accept_ratio", 0.6))
-    resolvable = float(ev.get("mismatch_min_accept_length", 1.5))
+    ev = perf_session.profile.eagle3.eval
+    max_ratio, resolvable = ev.mismatch_max_accept_ratio, ev.mismatch_min_accept_length
     # the reference engine's own A/B: the mismatched drafter is served by the reference engine below
     good = _ab(request, eagle3_runs, "reference").median_accept_length()
     prompts = [list(p) for p in eagle3_drafter.eval_prompts]
@@ -326,9 +302,7 @@ def test_acceptance_in_vllm(eagle3_drafter, eagle3_runs, perf_session, target_mo
     ``eagle3.engines`` this is test_acceptance[vllm] (with its speedup A/B) instead."""
     if "vllm" not in perf_session.profile.engines:
         pytest.skip(f"profile {perf_session.profile.name} has no vllm engine")
-    from kimi_perf.alignment.plan import eagle3_engines
-
-    if "vllm" in eagle3_engines(perf_session.profile.eagle3, perf_session.profile.engines):
+    if "vllm" in perf_session.profile.eagle3.engines:
         pytest.skip("vllm is in eagle3.engines: measured by test_acceptance[vllm] and test_speedup_vs_no_spec[vllm]")
     from kimi_perf.engines.base import SpecConfig
 

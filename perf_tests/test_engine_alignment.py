@@ -42,7 +42,7 @@ import numpy as np
 import pytest
 
 from fixtures.alignment import EngineCapture, wants_capture
-from fixtures.drafters import eval_settings, parametrize_engines, planted_sglang_config, require_engine
+from fixtures.drafters import eval_settings, planted_sglang_config, require_engine
 from kimi_perf.alignment.diagnose import AlignmentError, AlignmentReport, check_layers
 from kimi_perf.alignment.extract import HiddenStates, Provenance
 from kimi_perf.keys import eagle3_workload
@@ -57,36 +57,6 @@ SGLANG_RULE = ("SGLang Llama: explicit drafter id i captures the output of layer
                "layers_to_capture = [i + 1 for i in ids], appended before layer j runs in LlamaModel.forward); "
                "no ids: [2, N//2, N-3] unshifted; DeepSeek/Kimi adds 1 only when the first id is 1 "
                "(models/deepseek_v2.py)")
-
-
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Engines from the profile's ``alignment.engines`` (default ["reference"]) that --perf-engine selected;
-    the planted test runs on the SGLang engines among them."""
-    if {"align_engine", "planted_engine", "decode_engine"}.isdisjoint(metafunc.fixturenames):
-        return
-    from kimi_perf.alignment.plan import PlanError, alignment_engines, selected_engines
-    from kimi_perf.session import session_for_params
-
-    # built here if no earlier module needed it (``pytest perf_tests/test_eagle3.py`` alone: reading the
-    # stash left the test unparametrized and its fixture "not found")
-    s = session_for_params(metafunc.config)
-    if s is None:
-        return
-    try:
-        listed = alignment_engines(s.profile.alignment, s.profile.engines)
-    except PlanError as e:
-        raise pytest.UsageError(f"profile {s.profile.path}: {e}") from None
-    if "align_engine" in metafunc.fixturenames:
-        parametrize_engines(metafunc, "align_engine", *selected_engines(listed, s.engines, "alignment.engines"))
-    if "planted_engine" in metafunc.fixturenames:
-        sg = [e for e in listed if s.profile.engines[e]["kind"] == "sglang"]
-        names, why = selected_engines(sg, s.engines, "alignment.engines (SGLang engines)")
-        parametrize_engines(metafunc, "planted_engine", names, why)
-    if "decode_engine" in metafunc.fixturenames:
-        # every vLLM engine of the profile: the capture is test_alignment.py's too (no extra launch)
-        vl = [e for e, raw in s.profile.engines.items() if raw["kind"] == "vllm"]
-        names, why = selected_engines(vl, s.engines, "engines (vLLM engines)")
-        parametrize_engines(metafunc, "decode_engine", names, why)
 
 
 def _dtype(s: Any, engine: str) -> str:
@@ -420,9 +390,8 @@ def test_sglang_planted_layer_offset_is_named(planted_engine, alignment, perf_se
     if missed:
         warnings.warn(PerfWarning(f"planted SGLang offset [{name}]: layer(s) {missed} passed one layer off (their "
                                   "thresholds cannot resolve adjacent layers); the others named it"), stacklevel=1)
-    ev = s.profile.eagle3.get("eval", {})
-    max_ratio = float(ev.get("mismatch_max_accept_ratio", 0.6))
-    resolvable = float(ev.get("mismatch_min_accept_length", 1.5))
+    ev = s.profile.eagle3.eval
+    max_ratio, resolvable = ev.mismatch_max_accept_ratio, ev.mismatch_min_accept_length
     log(f"planted SGLang offset [{name}]: accept length {acc.accept_length:.3f} vs {good.accept_length:.3f} "
         f"served right (accepted drafts x{ratio:.3f})")
     if good.accept_length >= resolvable and not ratio < max_ratio:

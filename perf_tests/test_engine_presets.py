@@ -24,8 +24,8 @@ def test_nccl_preset_ab(perf_session, target_model, server_pool, prompt_factory,
         pytest.skip(f"profile {perf_session.profile.name} defines no NCCL presets to compare")
     if perf_session.profile.throughput is None:
         pytest.skip("the NCCL A/B reuses the profile's throughput workload, and it has none")
-    base = nc["presets"][0]
-    eng = nc.get("engine") or perf_session.engines[0]
+    base = nc.reference
+    eng = nc.engine or perf_session.engines[0]
     w = perf_session.profile.throughput.sweep_workload(perf_nccl_concurrency)
     cfgs = {p: engine_config(perf_session, eng, target_model, nccl_preset=p) for p in (base, perf_nccl_preset)}
     tput: dict[str, list[float]] = {p: [] for p in cfgs}
@@ -40,7 +40,7 @@ def test_nccl_preset_ab(perf_session, target_model, server_pool, prompt_factory,
                     samples={"preset_ratio": ratios, "output_throughput": tput[perf_nccl_preset]},
                     gated=["preset_ratio", "output_throughput"],
                     extra={f"output_throughput[{p}]": v for p, v in tput.items()})
-    min_ratio = float(nc.get("min_ratio", 0.0))
+    min_ratio = nc.min_ratio
     med = float(np.median(ratios))
     assert med >= min_ratio, (f"preset_ratio (higher is better, x): {perf_nccl_preset} gives {med:.3f}x the "
                               f"throughput of {base} at c={perf_nccl_concurrency}, below {min_ratio}")

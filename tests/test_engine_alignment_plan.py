@@ -8,7 +8,6 @@ sglang 0.5.17's source, see its README) served by an in-process HTTP server.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,24 +21,22 @@ from fixtures.alignment import AlignmentContext, AlignmentSettings
 from fixtures.drafters import DrafterHandle, Eagle3Runs, eagle3_server_configs, missing, planted_sglang_config
 from fixtures.models import TargetModel
 from fixtures.servers import engine_config
+from kimi_perf import plugin
 from kimi_perf.alignment.diagnose import check_layers
 from kimi_perf.alignment.extract import HiddenStates, Provenance, server_hidden_states, server_layers
 from kimi_perf.alignment.plan import (
     ENGINE_NOISE_FACTOR,
     PlanError,
-    alignment_engines,
-    check_alignment_section,
-    check_eagle3_section,
     diagnosis_layers,
     drafter_aux_layers,
-    eagle3_engines,
     engine_threshold,
     planted_sglang_offset,
     selected_engines,
     serving_dtype,
 )
 from kimi_perf.plugin import SESSION_KEY
-from kimi_perf.profiles import load_profile
+from kimi_perf.profiles import ProfileError, load_profile
+from kimi_perf.sections import SectionError, parse_alignment, parse_eagle3
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = load_profile(ROOT / "profiles" / "h200-engines.json")
@@ -75,19 +72,19 @@ TARGET = TargetModel("SmolLM2-135M-Instruct", Path("/models/smollm2"), "embedded
 # -- profile keys ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path", sorted((ROOT / "profiles").glob("*.json")), ids=lambda p: p.stem)
-def test_every_shipped_profile_passes_the_section_checks(path):
+def test_every_shipped_profile_loads_its_sections_typed(path):
     p = load_profile(path)
-    check_eagle3_section(p.eagle3, p.engines)
-    check_alignment_section(p.alignment, p.engines)
+    assert p.eagle3 is None or p.eagle3.engines
+    assert p.alignment.engines and p.alignment.dtypes
 
 
 def test_engine_lists_default_and_come_from_the_profile():
-    assert eagle3_engines(H200.eagle3, H200.engines) == ("reference", "sglang", "vllm")
-    assert alignment_engines(H200.alignment, H200.engines) == ("reference", "sglang", "vllm")
-    assert eagle3_engines(CPU.eagle3, CPU.engines) == ("reference",)  # [eagle3.engine], default reference
-    assert alignment_engines(CPU.alignment, CPU.engines) == ("reference",)
-    assert eagle3_engines({"engine": "vllm", "steps": 3}, CPU.engines) == ("vllm",)
-    assert eagle3_engines({}, CPU.engines) == ()
+    assert H200.eagle3.engines == ("reference", "sglang", "vllm")
+    assert H200.alignment.engines == ("reference", "sglang", "vllm")
+    assert CPU.eagle3.engines == ("reference",)  # [eagle3.engine], default reference
+    assert CPU.alignment.engines == ("reference",)
+    assert parse_eagle3({"engine": "vllm", "steps": 3}, CPU.engines).engines == ("vllm",)
+    assert parse_eagle3({}, CPU.engines) is None
 
 
 @pytest.mark.parametrize("section, raw, match", [
@@ -103,9 +100,9 @@ def test_engine_lists_default_and_come_from_the_profile():
     ("alignment", {"dtypes": ["float16"]}, r"alignment.dtypes"),
 ])
 def test_section_errors_name_the_key_and_the_fix(section, raw, match):
-    check = check_eagle3_section if section == "eagle3" else check_alignment_section
-    with pytest.raises(PlanError, match=match):
-        check(raw, CPU.engines)
+    parse = parse_eagle3 if section == "eagle3" else parse_alignment
+    with pytest.raises(SectionError, match=match):
+        parse(raw, CPU.engines)
 
 
 def test_perf_engine_narrows_the_engines_and_an_empty_choice_says_why():
@@ -125,15 +122,7 @@ def test_serving_dtype_and_engine_thresholds():
     assert thr > 0.925
 
 
-# -- parametrization (the modules' own pytest_generate_tests, called directly) ----------------------------
-
-def _module(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"_plan_{name}", ROOT / "perf_tests" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
+# -- parametrization (the plugin's pytest_generate_tests, the only one, called directly) -------------------
 
 class FakeMetafunc:
     def __init__(self, s: Any, *names: str) -> None:
@@ -148,8 +137,8 @@ def _ids(mf: FakeMetafunc) -> dict[str, list[Any]]:
             for a, values, ids in mf.calls}
 
 
-def test_eagle3_tests_are_parametrized_by_the_profiles_engines():
-    mod = _module("test_eagle3")
+def test_eagle3_tests_are_parametrized_by_the_profiles_engines(tmp_path):
+    mod = plugin
     mf = FakeMetafunc(session(), "eagle3_engine")
     mod.pytest_generate_tests(mf)
     assert _ids(mf) == {"eagle3_engine": ["reference", "sglang", "vllm"]}
@@ -163,13 +152,19 @@ def test_eagle3_tests_are_parametrized_by_the_profiles_engines():
     mod.pytest_generate_tests(mf)
     (reason,) = _ids(mf)["eagle3_engine"]
     assert "--perf-engine selected ['vllm']" in reason
-    bad = dataclasses.replace(CPU, eagle3={**CPU.eagle3, "engines": ["sglang"]})
-    with pytest.raises(pytest.UsageError, match="embedded-cpu.json: eagle3.engines: names engine"):
-        mod.pytest_generate_tests(FakeMetafunc(session(bad), "eagle3_engine"))
+    # an engine list naming an undefined engine no longer reaches parametrization: the profile does not load
+    raw = json.loads((ROOT / "profiles" / "embedded-cpu.json").read_text())
+    raw["eagle3"]["engines"] = ["sglang"]
+    (tmp_path / "embedded-cpu.json").write_text(json.dumps(raw))
+    with pytest.raises(ProfileError, match="embedded-cpu.json: eagle3.engines: names engine"):
+        load_profile(tmp_path / "embedded-cpu.json")
+    mf = FakeMetafunc(session(dataclasses.replace(CPU, eagle3=None)), "eagle3_engine")
+    mod.pytest_generate_tests(mf)
+    assert "has no eagle3 section" in _ids(mf)["eagle3_engine"][0]
 
 
 def test_alignment_tests_are_parametrized_and_the_planted_one_runs_on_sglang_only():
-    mod = _module("test_engine_alignment")
+    mod = plugin
     mf = FakeMetafunc(session(), "align_engine", "planted_engine")
     mod.pytest_generate_tests(mf)
     assert _ids(mf) == {"align_engine": ["reference", "sglang", "vllm"], "planted_engine": ["sglang"]}
@@ -215,7 +210,7 @@ def test_vllm_plain_side_is_the_throughput_config_and_sglang_without_alignment_i
     assert cfgs["spec"].name == "vllm-spec" and cfgs["spec"].spec is not None
     ref = eagle3_server_configs(s, TARGET, "reference", Path("/d"), 3)
     assert ref["plain"].max_running_requests == 4 == ref["spec"].max_running_requests
-    no_align = dataclasses.replace(H200, alignment={**H200.alignment, "engines": ["reference"]})
+    no_align = dataclasses.replace(H200, alignment=dataclasses.replace(H200.alignment, engines=("reference",)))
     sg = eagle3_server_configs(session(no_align), TARGET, "sglang", Path("/d"), 3)
     assert not sg["plain"].return_hidden_states and sg["plain"] == engine_config(session(no_align), "sglang", TARGET)
 

@@ -72,14 +72,14 @@ def test_eagle3_eval_prompts_fit_the_held_out_split(path):
         convs = load_mtbench()
     except (FileNotFoundError, RuntimeError, OSError) as e:
         pytest.skip(f"MT-bench data not fetched: {e}")
-    recipe = dict(profile.eagle3.get("recipe", {}))
-    data = dict(recipe.get("data", {}))
-    # the --perf-drafter path uses fraction 0.25; a recipe its own data config
-    frac = float(data.get("held_out_fraction", 0.25))
-    held = sum(1 for c in convs if stable_split(c.id, frac) == "heldout")
-    if data.get("max_heldout_items") is not None:
-        held = min(held, int(data["max_heldout_items"]))
-    want = int(profile.eagle3.get("eval", {}).get("prompts", 8))
+    from kimi_perf.eagle3.data import DataConfig
+
+    # the --perf-drafter path uses the default fraction (0.25); a recipe its own data config
+    data = profile.eagle3.drafter_recipe().data if profile.eagle3.recipe is not None else DataConfig()
+    held = sum(1 for c in convs if stable_split(c.id, data.held_out_fraction) == "heldout")
+    if data.max_heldout_items is not None:
+        held = min(held, data.max_heldout_items)
+    want = profile.eagle3.eval.prompts
     assert want <= held, (f"{path.name}: eagle3.eval.prompts {want} > {held} held-out MT-bench prompts; "
                           f"set it to at most {held}")
 

@@ -7,163 +7,25 @@ without a GPU, an engine or torch. Nothing here imports torch or an engine at mo
 promises a torch-free collection); the layer-convention rules themselves live in
 :mod:`kimi_perf.eagle3.model` and are imported where used.
 
-Profile keys read here (validated here; unknown keys are errors that name the allowed ones):
-
-- ``eagle3.engines``: the engines the EAGLE-3 acceptance/speedup A/B runs on (default
-  ``[eagle3.engine]``, itself defaulting to ``"reference"``);
-- ``alignment.engines``: the engines whose serving-path hidden states are compared with transformers
-  at the drafter's aux layers (default ``["reference"]``);
-- ``alignment.engine_noise_factor``: how much wider than the reference engine's noise floor another
-  engine's distance from transformers may be (default :data:`ENGINE_NOISE_FACTOR`, see there).
+The profile sections these decisions read (``eagle3``, ``alignment``) are parsed and validated once,
+when the profile loads, into :mod:`kimi_perf.sections`; their defaults live there.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ALIGNMENT_KEYS", "EAGLE3_EVAL_KEYS", "EAGLE3_KEYS", "ENGINE_NOISE_FACTOR", "PlanError",
-           "PlantedOffset", "alignment_engines", "check_alignment_section", "check_eagle3_section",
-           "diagnosis_layers", "drafter_aux_layers", "eagle3_engines", "engine_threshold",
-           "planted_sglang_offset", "selected_engines", "serving_dtype"]
+from ..sections import ALIGNMENT_DTYPES, ENGINE_NOISE_FACTOR, SectionError
 
-EAGLE3_KEYS = frozenset({"engine", "engines", "steps", "recipe", "eval", "gated", "matrix"})
-EAGLE3_EVAL_KEYS = frozenset({"prompts", "max_new_tokens", "min_speedup", "min_accept_length",
-                              "mismatch_max_accept_ratio", "mismatch_min_accept_length"})
-EAGLE3_GATEABLE = ("accept_length", "accept_rate", "accept_rate_pos0", "accept_rate_pos1", "accept_rate_pos2",
-                   "accept_rate_pos3", "spec_speedup")
-ALIGNMENT_KEYS = frozenset({"dtypes", "prompts", "max_new_tokens", "margin", "min_gap", "norm_tol_min", "engines",
-                            "engine_noise_factor"})
-ALIGNMENT_DTYPES = ("float32", "bfloat16")
-
-# Another engine vs transformers, in the serving dtype, is two independent reduced-precision
-# implementations of the same network. The reference engine's noise floor (fixtures/alignment.py
-# ``noise_floor``) is how far *one* bf16 implementation sits from another computation of itself or from
-# fp32. Independent rounding errors add in squared angle, and 1 - cos ~ angle^2 / 2, so two bf16
-# implementations each a floor away from fp32 sit about 2x the floor's cosine distance from each other
-# (4x only if their errors pointed the same way, the triangle-inequality worst case). 2 keeps an
-# off-by-one layer detectable on SmolLM2-135M bf16: adjacent residual streams there have per-token cos
-# min 0.87 (layers 2/3), 0.925 (15/16), 0.88 (27/28) (transformers, 2 MT-bench prompts), while the
-# stored h200-embedded floors give 0.9994 / 0.948 / 0.988 at margin 5 x 2; at 4x layer 15's threshold
-# (0.896) would let an off-by-one through on cosine. The tests report per layer whether an off-by-one
-# would still fail ("resolves off-by-one"), so a profile that widens the factor sees what it gave up.
-ENGINE_NOISE_FACTOR = 2.0
+__all__ = ["ALIGNMENT_DTYPES", "ENGINE_NOISE_FACTOR", "PlanError", "PlantedOffset", "diagnosis_layers",
+           "drafter_aux_layers", "engine_threshold", "planted_sglang_offset", "selected_engines", "serving_dtype"]
 
 
-class PlanError(ValueError):
-    """A profile section or drafter config the plan cannot use; ``key``, ``problem`` and ``fix`` are
+class PlanError(SectionError):
+    """A profile value or drafter config the plan cannot use; ``key``, ``problem`` and ``fix`` are
     the pieces of kimi_perf.profiles' error format (``profile P: key: problem. Fix: fix``)."""
-
-    def __init__(self, key: str, problem: str, fix: str) -> None:
-        super().__init__(f"{key}: {problem}. Fix: {fix}")
-        self.key, self.problem, self.fix = key, problem, fix
-
-
-def _engine_list(raw: Any, key: str, engines: Mapping[str, Any]) -> tuple[str, ...]:
-    if not isinstance(raw, list) or not raw or not all(isinstance(e, str) for e in raw):
-        raise PlanError(key, f"{raw!r} is not a non-empty list of engine names",
-                        f"e.g. {list(engines)[:3]!r} (names under 'engines')")
-    unknown = [e for e in raw if e not in engines]
-    if unknown:
-        raise PlanError(key, f"names engine(s) {unknown} the profile does not define",
-                        f"choose from {sorted(engines)}")
-    if len(set(raw)) != len(raw):
-        raise PlanError(key, f"{raw!r} lists an engine twice", "list each engine once")
-    return tuple(raw)
-
-
-def _number(sec: Mapping[str, Any], key: str, where: str, lo: float, *, integer: bool = False,
-            strict: bool = False) -> None:
-    if key not in sec:
-        return
-    v = sec[key]
-    ok = not isinstance(v, bool) and (isinstance(v, int) if integer else isinstance(v, (int, float)))
-    if ok and (not math.isfinite(float(v)) or (v <= lo if strict else v < lo)):
-        ok = False
-    if not ok:
-        kind = "an integer" if integer else "a number"
-        raise PlanError(f"{where}.{key}", f"{v!r}", f"{kind} {'>' if strict else '>='} {lo:g}")
-
-
-def check_eagle3_section(raw: Any, engines: Mapping[str, Any]) -> None:
-    """Validate a profile's ``eagle3`` section (keys, types, engine names); ``recipe`` is validated by
-    :meth:`kimi_perf.eagle3.pipeline.DrafterRecipe.from_dict` when a drafter is trained."""
-    if not raw:
-        return
-    if not isinstance(raw, Mapping):
-        raise PlanError("eagle3", "must be an object", "see profiles/embedded-cpu.json")
-    bad = set(raw) - EAGLE3_KEYS
-    if bad:
-        raise PlanError("eagle3", f"unknown key(s) {sorted(bad)}", f"allowed keys: {sorted(EAGLE3_KEYS)}")
-    if "engine" in raw and (not isinstance(raw["engine"], str) or raw["engine"] not in engines):
-        raise PlanError("eagle3.engine", f"{raw['engine']!r} is not an engine of the profile",
-                        f"choose from {sorted(engines)}")
-    if "engines" in raw:
-        _engine_list(raw["engines"], "eagle3.engines", engines)
-    _number(raw, "steps", "eagle3", 1, integer=True)
-    ev = raw.get("eval", {})
-    if not isinstance(ev, Mapping):
-        raise PlanError("eagle3.eval", "must be an object", "see profiles/embedded-cpu.json")
-    bad = set(ev) - EAGLE3_EVAL_KEYS
-    if bad:
-        raise PlanError("eagle3.eval", f"unknown key(s) {sorted(bad)}", f"allowed keys: {sorted(EAGLE3_EVAL_KEYS)}")
-    _number(ev, "prompts", "eagle3.eval", 1, integer=True)
-    _number(ev, "max_new_tokens", "eagle3.eval", 1, integer=True)
-    for k in ("min_speedup", "min_accept_length", "mismatch_max_accept_ratio", "mismatch_min_accept_length"):
-        _number(ev, k, "eagle3.eval", 0)
-    if "matrix" in raw:
-        from ..eagle3.matrix import MatrixPlan
-
-        if not isinstance(raw["matrix"], Mapping):
-            raise PlanError("eagle3.matrix", "must be an object", "see profiles/embedded-cpu.json")
-        try:
-            MatrixPlan.from_section(raw["matrix"], engines)
-        except ValueError as e:
-            raise PlanError("eagle3.matrix", str(e), "see kimi_perf/eagle3/matrix.py for rows and gates") from None
-    gated = raw.get("gated", [])
-    if not isinstance(gated, list) or any(g not in EAGLE3_GATEABLE for g in gated):
-        raise PlanError("eagle3.gated", f"{gated!r}", f"a list of: {', '.join(EAGLE3_GATEABLE)}")
-
-
-def check_alignment_section(raw: Any, engines: Mapping[str, Any]) -> None:
-    """Validate a profile's ``alignment`` section (keys, types, engine names)."""
-    if not raw:
-        return
-    if not isinstance(raw, Mapping):
-        raise PlanError("alignment", "must be an object", "see profiles/embedded-cpu.json")
-    bad = set(raw) - ALIGNMENT_KEYS
-    if bad:
-        raise PlanError("alignment", f"unknown key(s) {sorted(bad)}", f"allowed keys: {sorted(ALIGNMENT_KEYS)}")
-    d = raw.get("dtypes", list(ALIGNMENT_DTYPES))
-    if not isinstance(d, list) or not d or any(x not in ALIGNMENT_DTYPES for x in d):
-        raise PlanError("alignment.dtypes", f"{d!r}", f"a non-empty list of {list(ALIGNMENT_DTYPES)}")
-    if "engines" in raw:
-        _engine_list(raw["engines"], "alignment.engines", engines)
-    _number(raw, "prompts", "alignment", 1, integer=True)
-    _number(raw, "max_new_tokens", "alignment", 1, integer=True)
-    _number(raw, "margin", "alignment", 0, strict=True)
-    _number(raw, "min_gap", "alignment", 0)
-    _number(raw, "norm_tol_min", "alignment", 0)
-    _number(raw, "engine_noise_factor", "alignment", 1)
-
-
-def eagle3_engines(eagle3: Mapping[str, Any], engines: Mapping[str, Any]) -> tuple[str, ...]:
-    """``eagle3.engines``, default ``[eagle3.engine]`` (default "reference"). Empty for a profile
-    without an eagle3 section."""
-    if not eagle3:
-        return ()
-    check_eagle3_section(eagle3, engines)
-    if "engines" in eagle3:
-        return tuple(eagle3["engines"])
-    return (str(eagle3.get("engine", "reference")),)
-
-
-def alignment_engines(alignment: Mapping[str, Any], engines: Mapping[str, Any]) -> tuple[str, ...]:
-    """``alignment.engines``, default ``["reference"]`` (the engine the noise floor is measured on)."""
-    check_alignment_section(alignment, engines)
-    return tuple(alignment.get("engines", ["reference"]))
 
 
 def selected_engines(listed: Sequence[str], session_engines: Sequence[str], what: str) -> tuple[list[str], str]:
