@@ -157,8 +157,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         ids = [f"{p}-vs-{nc.reference}" for p in presets] if nc else []
         metafunc.parametrize("perf_nccl_preset", presets or [None], ids=ids or ["no-presets"])
     if "perf_nccl_concurrency" in metafunc.fixturenames:
-        conc = list(nc.concurrency if nc else NcclSection.concurrency)
-        metafunc.parametrize("perf_nccl_concurrency", conc, ids=[f"c{c}" for c in conc])
+        nconc = list(nc.concurrency if nc else NcclSection.concurrency)
+        metafunc.parametrize("perf_nccl_concurrency", nconc, ids=[f"c{c}" for c in nconc])
     if "perf_allreduce_tokens" in metafunc.fixturenames:
         toks = list(s.profile.allreduce.tokens) if s.profile.allreduce else [None]
         metafunc.parametrize("perf_allreduce_tokens", toks, ids=[f"t{t}" if t else "none" for t in toks])

@@ -30,6 +30,9 @@ from dataclasses import MISSING, dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
+# the alignment plan holds the serving dtypes with a measured noise floor and the engine noise factor
+# (its comment says why 2): the section's choices and default, read from there
+from .alignment.plan import ALIGNMENT_DTYPES, ENGINE_NOISE_FACTOR
 from .eagle3.matrix import MatrixPlan
 from .engines.presets import NCCL_PRESETS
 from .nccl import AllReduceSpec
@@ -38,22 +41,8 @@ __all__ = ["ALIGNMENT_DTYPES", "EAGLE3_GATEABLE", "ENGINE_NOISE_FACTOR", "Alignm
            "Eagle3Eval", "Eagle3Section", "NcclSection", "SectionError", "field_docs", "parse_alignment",
            "parse_allreduce", "parse_eagle3", "parse_nccl"]
 
-ALIGNMENT_DTYPES = ("float32", "bfloat16")
 EAGLE3_GATEABLE = ("accept_length", "accept_rate", "accept_rate_pos0", "accept_rate_pos1", "accept_rate_pos2",
                    "accept_rate_pos3", "spec_speedup")
-
-# Another engine vs transformers, in the serving dtype, is two independent reduced-precision
-# implementations of the same network. The reference engine's noise floor (fixtures/alignment.py
-# ``noise_floor``) is how far *one* bf16 implementation sits from another computation of itself or from
-# fp32. Independent rounding errors add in squared angle, and 1 - cos ~ angle^2 / 2, so two bf16
-# implementations each a floor away from fp32 sit about 2x the floor's cosine distance from each other
-# (4x only if their errors pointed the same way, the triangle-inequality worst case). 2 keeps an
-# off-by-one layer detectable on SmolLM2-135M bf16: adjacent residual streams there have per-token cos
-# min 0.87 (layers 2/3), 0.925 (15/16), 0.88 (27/28) (transformers, 2 MT-bench prompts), while the
-# stored h200-embedded floors give 0.9994 / 0.948 / 0.988 at margin 5 x 2; at 4x layer 15's threshold
-# (0.896) would let an off-by-one through on cosine. The tests report per layer whether an off-by-one
-# would still fail ("resolves off-by-one"), so a profile that widens the factor sees what it gave up.
-ENGINE_NOISE_FACTOR = 2.0
 
 
 class SectionError(ValueError):
@@ -192,7 +181,7 @@ class Eagle3Section:
 
         if self.recipe is None:
             raise ValueError("the profile has no eagle3.recipe")
-        return DrafterRecipe.from_dict(self.recipe)
+        return DrafterRecipe.from_dict(dict(self.recipe))
 
 
 def parse_eagle3(raw: Any, engines: Mapping[str, Any]) -> Eagle3Section | None:
