@@ -61,10 +61,14 @@ def _f(default: Any, doc: str, **meta: Any) -> Any:
 
 def field_docs(cls: type) -> list[dict[str, Any]]:
     """``[{"name", "type", "default", "doc"}, ...]`` of a section class, in declaration order: what the
-    schema and docs generators read. ``default`` is the JSON default, or ``default_doc`` where the
-    default is derived from another key."""
+    schema and docs generators read. ``name`` is the JSON key (``metadata["json"]`` where it differs, e.g.
+    MatrixPlan's ``ci.rows``; None: no profile key), ``default`` the JSON default, or ``default_doc``
+    where the default is derived from another key."""
     out = []
     for f in fields(cls):
+        name = f.metadata.get("json", f.name)
+        if name is None:
+            continue
         if "default_doc" in f.metadata:
             default: Any = f.metadata["default_doc"]
         elif f.default is not MISSING:
@@ -73,7 +77,7 @@ def field_docs(cls: type) -> list[dict[str, Any]]:
             default = "{}"
         else:
             default = "(required)"
-        out.append({"name": f.name, "type": str(f.type), "default": default, "doc": f.metadata.get("doc", "")})
+        out.append({"name": name, "type": str(f.type), "default": default, "doc": f.metadata.get("doc", "")})
     return out
 
 

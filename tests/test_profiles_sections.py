@@ -126,6 +126,16 @@ def test_every_field_has_a_type_a_default_and_a_doc(cls):
     json.dumps(docs)  # machine-readable as it is
 
 
+def test_the_matrix_fields_are_documented_under_their_json_keys():
+    from kimi_perf.eagle3.matrix import MatrixPlan
+
+    docs = {d["name"]: d for d in field_docs(MatrixPlan)}
+    assert list(docs) == ["rows", "engines", "ci.rows", "ci.engines", "accept_tolerance", "retrain_seeds"]
+    assert all(d["doc"] for d in docs.values())
+    assert docs["accept_tolerance"]["default"] == 0.08 and docs["ci.rows"]["default"] == "rows"
+    assert docs["rows"]["default"] == "(required)"
+
+
 def test_no_raw_dict_reads_of_the_typed_sections():
     pat = re.compile(r"""profile\.(eagle3|alignment|nccl|allreduce)\.get\(|\.(eagle3|alignment)\.get\("|"""
                      r"""\b(prof|raw|profile)\[["'](eagle3|alignment|nccl|allreduce)["']\]""")

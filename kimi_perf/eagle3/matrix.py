@@ -100,14 +100,20 @@ def parse_row(name: str) -> MatrixRow:
 class MatrixPlan:
     """A profile's ``eagle3.matrix`` section."""
 
-    rows: tuple[MatrixRow, ...]
-    engines: tuple[str, ...]
-    ci_rows: tuple[MatrixRow, ...]
-    ci_engines: tuple[str, ...]
-    accept_tolerance: float
-    sources: str = ""
-    # how many training seeds test_matrix_retrain_noise trains each engine's own-features drafter with
-    retrain_seeds: int = 3
+    # metadata: each field's one-line doc and its JSON key (kimi_perf.sections.field_docs reads them)
+    rows: tuple[MatrixRow, ...] = field(metadata={"doc": "extraction paths, PATH or PATH+FAULT (hf, reference, vllm, "
+                                                         "sglang; offsetK, postnorm, int8), one drafter each"})
+    engines: tuple[str, ...] = field(metadata={"doc": "serving engines (columns) of the full matrix (-m matrix)"})
+    ci_rows: tuple[MatrixRow, ...] = field(metadata={"doc": "rows of the reduced matrix the main job runs",
+                                                     "json": "ci.rows", "default_doc": "rows"})
+    ci_engines: tuple[str, ...] = field(metadata={"doc": "engines of the reduced matrix", "json": "ci.engines",
+                                                  "default_doc": "engines"})
+    accept_tolerance: float = field(default=0.08, metadata={
+        "doc": "largest relative accept-length drop of a cell against the engine's own-features drafter, in (0, 1)"})
+    sources: str = field(default="", metadata={"doc": "where the tolerance was measured (not a profile key)",
+                                               "json": None})
+    retrain_seeds: int = field(default=3, metadata={
+        "doc": "training seeds test_matrix_retrain_noise trains each engine's own-features drafter with, 2-16"})
 
     @classmethod
     def from_section(cls, raw: Mapping[str, Any], engines: Mapping[str, Any]) -> MatrixPlan:
@@ -142,10 +148,10 @@ class MatrixPlan:
             raise ValueError("ci must be an object with rows and engines (the reduced matrix CI runs)")
         cr = rows(ci.get("rows", [x.name for x in r]), "ci.rows")
         ce = engs(ci.get("engines", list(e)), "ci.engines")
-        tol = raw.get("accept_tolerance", 0.08)
+        tol = raw.get("accept_tolerance", cls.accept_tolerance)
         if not isinstance(tol, (int, float)) or not 0 < tol < 1:
             raise ValueError(f"accept_tolerance {tol!r} must be a fraction in (0, 1), e.g. 0.08")
-        seeds = raw.get("retrain_seeds", 3)
+        seeds = raw.get("retrain_seeds", cls.retrain_seeds)
         if not isinstance(seeds, int) or isinstance(seeds, bool) or not 2 <= seeds <= 16:
             raise ValueError(f"retrain_seeds {seeds!r} must be an integer from 2 to 16 (training seeds of the "
                              "own-features drafter whose spread the tolerance must cover), e.g. 3")
