@@ -37,9 +37,8 @@ def test_ab_accept_length(perf_ab, perf_engine_name, perf_session, eagle3_drafte
     from kimi_perf.eagle3.evaluate import measure_generation
     from kimi_perf.engines.base import SpecConfig
 
-    e = perf_session.profile.eagle3
     engine = perf_engine_name
-    max_new = int(dict(e.get("eval", {})).get("max_new_tokens", 64))
+    max_new = perf_session.profile.eagle3.eval.max_new_tokens
     spec = SpecConfig(draft_model_path=str(eagle3_drafter.path), steps=eagle3_drafter.steps)
     small = {"max_running_requests": 4} if perf_session.profile.engines[engine]["kind"] == "reference" else {}
     base_cfg, cand_cfg = perf_ab.configs(engine, spec=spec, **small)
