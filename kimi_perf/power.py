@@ -328,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     gpus = gpu_info()
     label = ns.label or profile.hardware_key(hardware_key(gpus, use_gpu=profile.hardware == "cuda"), gpus)
     out_path = Path(ns.out)
-    doc = json.loads(out_path.read_text()) if out_path.is_file() else {"kimi_perf_gate_power": 1, "machines": {}}
+    doc: dict[str, Any] = (json.loads(out_path.read_text()) if out_path.is_file()
+                           else {"kimi_perf_gate_power": 1, "machines": {}})
     spec_json = {k: (dict(v) if hasattr(v, "items") else v) for k, v in asdict(spec).items()}
     probes_json = [{"name": p.name, "workload": p.workload.to_dict(), "gated": list(p.gated)} for p in probes]
     entry = doc["machines"].get(label)
@@ -359,9 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write_json(out_path, current)
         out_path.with_suffix(".md").write_text(markdown(current))
 
-    kept: dict[str, ProcessSide] = {}
+    kept: dict[str, KeptSide] = {}
 
-    def side(role: str, plant: float) -> ProcessSide:
+    def side(role: str, plant: float) -> ProcessSide | KeptSide:
         env = tuple(sorted({**dict(cfg.env), PLANT_ENV: f"{plant:g}"}.items()))
         tag = "base" if role == "base" else f"cand{plant:g}"
         new = ProcessSide(role, f"reference (plant {plant:g})", replace(cfg, name=f"{ns.engine}-{tag}", env=env), log_dir)
@@ -369,9 +370,9 @@ def main(argv: list[str] | None = None) -> int:
             return new
         if tag not in kept:
             kept[tag] = KeptSide(new)
-        return kept[tag]  # type: ignore[return-value]
+        return kept[tag]
 
-    def sides(plant: float) -> tuple[ProcessSide, ProcessSide]:
+    def sides(plant: float) -> tuple[ProcessSide | KeptSide, ProcessSide | KeptSide]:
         return side("base", 0.0), side("candidate", plant)
 
     try:

@@ -187,7 +187,7 @@ def _plot_throughput(results: list[dict[str, Any]], path: Path, *, baseline: Bas
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    handles = [Line2D([], [], color=colours[e], marker="o", label=e) for e in engines]
+    handles: list[Any] = [Line2D([], [], color=colours[e], marker="o", label=e) for e in engines]
     handles += [Line2D([], [], color="grey", marker="o", label="this run: median, dots = repeats, band = min-max")]
     handles += ([Line2D([], [], color="grey", ls="--", marker="o", mfc="white", label="baseline: median"),
                  Patch(facecolor="none", edgecolor="grey", hatch="///", label="baseline: min-max")] if with_base else

@@ -64,7 +64,8 @@ class HFExtractor:
 
         self.torch = torch
         self.dtype = dtype
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+        self.model = model.to(device).eval()  # type: ignore[arg-type]  # transformers' stub types .to oddly
         self.device = device
         self.version = f"transformers {transformers.__version__}"
         self.num_layers = int(self.model.config.num_hidden_layers)

@@ -326,6 +326,11 @@ def _rot(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 class Eagle3Drafter(nn.Module):
     """The trainable drafter; parameter names are the checkpoint's tensor names."""
 
+    # buffers (register_buffer), declared so that type checkers see tensors rather than Tensor | Module
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    embed: torch.Tensor
+
     def __init__(self, cfg: Eagle3Config, embed_weight: torch.Tensor) -> None:
         super().__init__()
         self.cfg = cfg

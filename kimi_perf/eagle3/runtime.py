@@ -16,6 +16,7 @@ temporary entries after the committed ones; the next extend overwrites them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
@@ -218,7 +219,7 @@ class DrafterGraphs:
                   torch.zeros(b, dtype=torch.long, device=rt.device))  # feats, toks, c_t, n_t (0: all padding)
             self.static[b] = st
             for t in sorted(self.windows, reverse=True):
-                self.graphs[(b, t)] = capture_graph(lambda st=st, t=t: rt.draft_chain(*st, self.k, t),
+                self.graphs[(b, t)] = capture_graph(functools.partial(rt.draft_chain, *st, self.k, t),
                                                     pool=self.pool, stream=stream)
         torch.cuda.synchronize()
         log(f"[kimi-ref] CUDA graphs: drafter chain captured for {len(self.graphs)} (batch, window) shapes, "

@@ -180,7 +180,7 @@ async def _run(base_url: str, model: str, prompts: Sequence[Sequence[int]], w: W
     url = base_url.rstrip("/") + "/v1/completions"
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
-    state = {"phase": "warm-up", "done": 0, "n": len(warmup_prompts)}
+    state: dict[str, Any] = {"phase": "warm-up", "done": 0, "n": len(warmup_prompts)}
     beat = asyncio.create_task(_heartbeat(w, state, HEARTBEAT_S))
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers or None) as session:
         warm_errors = []
@@ -211,8 +211,9 @@ async def _run(base_url: str, model: str, prompts: Sequence[Sequence[int]], w: W
         cpu = time.process_time() - cpu0
     beat.cancel()
     records = []
-    for i, (o, p) in enumerate(zip(outcomes, prompts)):
-        assert o is not None
+    for i, (oc, p) in enumerate(zip(outcomes, prompts)):
+        assert oc is not None
+        o = oc
         records.append(RequestRecord(
             index=i, prompt_len=len(p), max_tokens=w.output_len, ok=o.ok, error=o.error,
             t_send=o.t_send - t0, t_first=(o.t_first - t0) if o.t_first is not None else None,
