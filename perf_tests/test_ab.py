@@ -80,8 +80,8 @@ def test_ab_alignment(perf_ab, perf_engine_name, perf_session, alignment, reques
 
     from fixtures.alignment import _common_prefix
     from kimi_perf.alignment.diagnose import check_alignment
-    from kimi_perf.alignment.hidden import HiddenStates
     from kimi_perf.alignment.plan import PlanError, serving_dtype
+    from kimi_perf.capture.hidden import HiddenStates
     from kimi_perf.engines.base import SpecConfig
     from kimi_perf.progress import log
 

@@ -22,7 +22,7 @@ Where each engine's states come from, and what that costs in launches:
   launches nothing when test_eagle3.py ran first in the session (file order does that);
 - vLLM: its extract_hidden_states method with the suite's connector, shared with test_alignment.py's
   vLLM test (one launch for both), used as upstream documents it: the generated ids are prefilled as a
-  prompt with ``max_tokens=1`` (kimi_perf.alignment.vllm). The decode-path capture of the same
+  prompt with ``max_tokens=1`` (kimi_perf.capture.vllm). The decode-path capture of the same
   positions is compared with that prefill capture by its own test, which names the upstream fault
   when it reproduces (``scripts/repro_vllm_decode_capture.py`` reproduces it without the suite).
 

@@ -16,7 +16,7 @@ from kimi_perf.alignment.extract import (
     Provenance,
     parse_sglang_hidden_states,
 )
-from kimi_perf.alignment.server import _server_layers
+from kimi_perf.capture.server import _server_layers
 
 finite = st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False, width=32)
 mats = arrays(np.float32, st.tuples(st.integers(1, 12), st.integers(2, 16)), elements=finite).filter(

@@ -169,3 +169,20 @@ def test_no_library_module_over_800_lines():
     is a package of one concern per module now). A module that grows past this wants splitting."""
     big = {name: n for name, p in _modules().items() if (n := len(p.read_text().splitlines())) > 800}
     assert not big, f"library modules over 800 lines: {big}"
+
+
+def _package_edges(graph: dict[str, set[str]], src: str, dst: str) -> list[str]:
+    return sorted(f"{m} -> {t}" for m, ts in graph.items() if m.startswith(src + ".") or m == src
+                  for t in ts if t == dst or t.startswith(dst + "."))
+
+
+def test_the_capture_layer_sits_below_alignment_and_eagle3():
+    """Hidden-state capture (per engine, with each engine's layer-id rule) is what alignment compares
+    and what the EAGLE-3 feature pipeline trains on: both import it, it imports neither, and the
+    pipeline does not reach into alignment for it (that package-level loop was one of two arrows
+    running back up)."""
+    g = import_graph()
+    for up in ("kimi_perf.alignment", "kimi_perf.eagle3"):
+        assert not _package_edges(g, "kimi_perf.capture", up), _package_edges(g, "kimi_perf.capture", up)
+    assert not _package_edges(g, "kimi_perf.eagle3", "kimi_perf.alignment"), \
+        _package_edges(g, "kimi_perf.eagle3", "kimi_perf.alignment")

@@ -1,4 +1,4 @@
-"""vLLM's hidden-state capture the upstream way (kimi_perf.alignment.vllm), against a fake server that
+"""vLLM's hidden-state capture the upstream way (kimi_perf.capture.vllm), against a fake server that
 speaks the extract_hidden_states connector's protocol: a completion whose response names a safetensors
 file (``hidden_states`` [tokens, layers, H], ``token_ids``) guarded by a ``.lock`` flock.
 
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from kimi_perf.alignment.diagnose import check_alignment
-from kimi_perf.alignment.hidden import AlignmentSetupError
-from kimi_perf.alignment.vllm import vllm_hidden_states
+from kimi_perf.capture.hidden import AlignmentSetupError
+from kimi_perf.capture.vllm import vllm_hidden_states
 
 LAYERS = [2, 15, 27, 30]
 H = 16

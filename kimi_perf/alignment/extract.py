@@ -6,17 +6,17 @@ offset, a lossy dtype). Every extractor states its layer-id convention ("residua
 layer k"; ``"final"`` = output of the final RMSNorm), dtype, backend and version, and the token
 positions covered.
 
-- :class:`HFExtractor` (defined in :mod:`kimi_perf.alignment.hidden` with the provenance types, the
+- :class:`HFExtractor` (defined in :mod:`kimi_perf.capture.hidden` with the provenance types, the
   layer the EAGLE-3 feature capture shares): one full-sequence transformers forward with pre-hooks
   (how training features are usually captured);
-- :func:`server_hidden_states` (in :mod:`kimi_perf.alignment.server`, which the EAGLE-3 feature
+- :func:`server_hidden_states` (in :mod:`kimi_perf.capture.server`, which the EAGLE-3 feature
   pipeline's ``http-aux`` backend also uses): an engine's inference path over HTTP -- SGLang-layout
   ``meta_info.hidden_states`` from ``/generate`` (the reference engine; SGLang 0.5.17 and 0.5.23, whose
   rows are the final-norm output, or the concatenated EAGLE-3 aux layers while serving EAGLE-3 or in
   0.5.23's aux mode). :func:`server_layers` translates the ids a server uses into the suite's
   convention, by engine and model family;
 - :func:`stored_hidden_states`: the drafter pipeline's feature shards, with the manifest's provenance;
-- :func:`vllm_hidden_states` (in :mod:`kimi_perf.alignment.vllm`, which the EAGLE-3 feature pipeline
+- :func:`vllm_hidden_states` (in :mod:`kimi_perf.capture.vllm`, which the EAGLE-3 feature pipeline
   also imports): vLLM's ``extract_hidden_states`` path.
 """
 
@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 
 # re-exported: callers and tests import these from here
-from .hidden import AlignmentSetupError, HFExtractor, HiddenStates, Layer, Provenance
-from .server import (
+from ..capture.hidden import AlignmentSetupError, HFExtractor, HiddenStates, Layer, Provenance
+from ..capture.server import (
     REFERENCE_ENGINE_NAME,
     ServerLayers,
     parse_sglang_hidden_states,
@@ -36,7 +36,7 @@ from .server import (
     server_info,
     server_layers,
 )
-from .vllm import vllm_hidden_states
+from ..capture.vllm import vllm_hidden_states
 
 __all__ = ["REFERENCE_ENGINE_NAME", "AlignmentSetupError", "HFExtractor", "HiddenStates", "Provenance",
            "ServerLayers", "parse_sglang_hidden_states", "server_hidden_states", "server_info",

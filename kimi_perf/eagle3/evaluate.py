@@ -299,7 +299,7 @@ def _get_json(url: str) -> dict[str, Any] | None:
 
 def _server_kind(info: Mapping[str, Any] | None) -> str:
     """"reference", "sglang" or "other" from /server_info (None: the engine has none, e.g. vLLM)."""
-    from ..alignment.extract import REFERENCE_ENGINE_NAME
+    from ..capture.server import REFERENCE_ENGINE_NAME
 
     if info is None:
         return "other"

@@ -89,7 +89,7 @@ class FeatureSample:
 
 class _HFBackend:
     def __init__(self, model_dir: Path, layers: tuple[int, ...], dtype: torch.dtype, device: str) -> None:
-        from ..alignment.hidden import HFExtractor
+        from ..capture.hidden import HFExtractor
 
         self.x = HFExtractor(model_dir, dtype=str(dtype).replace("torch.", ""), device=device)
         self.layers = layers
@@ -124,11 +124,11 @@ class _HTTPAuxBackend:
     """Prefill-only requests to an SGLang-layout server that returns aux rows: the reference engine or
     SGLang 0.5.23 in aux mode, or SGLang serving EAGLE-3 with ``return_hidden_states`` (0.5.17 has no aux
     mode; its rows are then the drafter's aux layers). The request and the layer naming are the
-    alignment capture's (:mod:`kimi_perf.alignment.server`), so training features and the alignment
+    alignment capture's (:mod:`kimi_perf.capture.server`), so training features and the alignment
     tests read a server the same way."""
 
     def __init__(self, url: str, layers: tuple[int, ...], hidden: int, num_layers: int) -> None:
-        from ..alignment.server import server_info, server_layers
+        from ..capture.server import server_info, server_layers
 
         self.url = url.rstrip("/")
         self.layers = layers
@@ -149,7 +149,7 @@ class _HTTPAuxBackend:
         self.version = f"{info.get('engine', 'sglang')} {info.get('version')} ({plan.how})"
 
     def __call__(self, ids: list[int]) -> tuple[torch.Tensor, None, None]:
-        from ..alignment.server import server_hidden_states
+        from ..capture.server import server_hidden_states
 
         # one generated token: the rows cover the prompt exactly (prompt + output[:-1])
         hs = server_hidden_states(self.url, [ids], 1, hidden=self.hidden, concurrent=False,
@@ -179,7 +179,7 @@ class _VLLMExtractBackend:
             raise RuntimeError(f"vllm-extract backend: {self.url}/version unreachable: {e}") from None
 
     def __call__(self, ids: list[int]) -> tuple[torch.Tensor, None, None]:
-        from ..alignment.vllm import vllm_hidden_states
+        from ..capture.vllm import vllm_hidden_states
 
         hs = vllm_hidden_states(self.url, self.model, [ids], 1, layers=list(self.layers))[0]
         rows = [torch.from_numpy(hs.layers[k][: len(ids)]) for k in self.layers]

@@ -95,7 +95,7 @@ def _target_config(info: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _sglang_convention(info: dict[str, Any], model_family: str | None) -> str:
-    from ..eagle3.model import sglang_aux_convention
+    from .layers import sglang_aux_convention
 
     if model_family is not None:
         if model_family not in _FAMILIES:
@@ -123,7 +123,7 @@ def _num_layers(info: dict[str, Any], num_layers: int | None) -> int | None:
 
 
 def _served(ids: list[int] | None, conv: str, n: int | None) -> tuple[int, ...]:
-    from ..eagle3.model import served_aux_layers
+    from .layers import served_aux_layers
 
     try:
         return served_aux_layers(ids, conv, n)
