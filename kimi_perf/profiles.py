@@ -145,12 +145,16 @@ def load_profile(path: Path) -> Profile:
     """Parse and validate a profile file; every problem is a :class:`ProfileError` naming file and key."""
     try:
         return _load_profile(path)
-    except ProfileError:
-        raise
+    except ProfileError as ex:
+        raise ProfileError(f"{ex} {REFERENCE_HINT}") from None
     except (TypeError, ValueError, AttributeError, KeyError) as ex:
         # a value of a type no check above anticipated: still the file's fault, still named
         raise ProfileError(f"profile {path}: malformed value ({type(ex).__name__}: {ex}). "
-                           "Fix: compare with profiles/embedded-cpu.json") from None
+                           f"Fix: compare with profiles/embedded-cpu.json {REFERENCE_HINT}") from None
+
+
+# every error of a profile names where the whole format is described (generated from the parser)
+REFERENCE_HINT = "(every key, its type and default: docs/profiles.md; python -m kimi_perf.profiles check FILE)"
 
 
 def _load_profile(path: Path) -> Profile:
@@ -312,3 +316,9 @@ def find_profile(name_or_path: str, roots: list[Path]) -> Path:
     known = sorted({f.stem for r in roots if r.is_dir() for f in r.glob("*.json")})
     raise ProfileError(f"unknown profile {name_or_path!r}; known profiles: {', '.join(known) or '(none)'} "
                        f"(looked in {', '.join(str(r) for r in roots)})")
+
+
+if __name__ == "__main__":  # python -m kimi_perf.profiles check|schema|docs|new (kimi_perf.profile_schema)
+    from kimi_perf.profile_schema import main
+
+    raise SystemExit(main())
