@@ -257,7 +257,7 @@ def _obj(props: dict[str, Any], description: str, *, additional: bool = False, r
 
 def top_level() -> dict[str, tuple[str, dict[str, Any]]]:
     """Each top-level key: (its doc, its schema)."""
-    from .ab.config import ABSpec, Variant
+    from .ab.config import ABSpec
     from .engines.base import ReferenceEngineConfig
     from .engines.sglang import SGLangConfig
     from .engines.vllm import VLLMConfig
