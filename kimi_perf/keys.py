@@ -25,11 +25,12 @@ from __future__ import annotations
 import re
 
 from .baselines import BaselineKey
+from .load.workload import Workload
 from .profiles import Profile, ThroughputSpec
 from .sections import ALIGNMENT_DTYPES, Eagle3Section
 
 __all__ = ["EAGLE3_SCENARIOS", "THROUGHPUT_SCENARIOS", "eagle3_eval", "eagle3_workload", "matrix_workload", "scenario_workload",
-           "slo_workload", "throughput_workload", "unreachable"]
+           "prefix_workload", "prefix_workloads", "slo_workload", "throughput_workload", "unreachable"]
 
 # scenario -> which workload of the throughput section it runs (single stream or the sweep at C)
 THROUGHPUT_SCENARIOS = {"single_stream": "single", "decode_floor": "single",
@@ -82,6 +83,21 @@ def slo_workload(tp: ThroughputSpec) -> str:
     return f"{tp.slo.workload(tp.workload, tp.slo.rates[0]).key}-{digest}"
 
 
+def prefix_workloads(tp: ThroughputSpec, concurrency: int) -> tuple[Workload, Workload]:
+    """(unrelated, shared-prefix) workloads of the prefix-cache test at ``concurrency`` (the sweep's
+    top level): the sweep's lengths, at most 16 new tokens, 3/4 of the input shared."""
+    from dataclasses import replace
+
+    w = replace(tp.sweep_workload(concurrency), name=f"{tp.workload.name}-prefix",
+                output_len=min(16, tp.workload.output_len))
+    return w, replace(w, dataset="shared-prefix", prefix_len=w.input_len * 3 // 4)
+
+
+def prefix_workload(tp: ThroughputSpec, concurrency: int) -> str:
+    """The workload key of the prefix-cache test (``prefix_cache``): its shared-prefix workload."""
+    return prefix_workloads(tp, concurrency)[1].key
+
+
 def scenario_workload(profile: Profile, scenario: str, concurrency: int = 1) -> str:
     """The workload key ``scenario`` runs at ``concurrency`` under ``profile`` (throughput and EAGLE-3
     scenarios; the tests build their keys with this)."""
@@ -91,6 +107,10 @@ def scenario_workload(profile: Profile, scenario: str, concurrency: int = 1) -> 
         return throughput_workload(profile.throughput, scenario, concurrency)
     if scenario in EAGLE3_SCENARIOS:
         return eagle3_workload(profile)
+    if scenario == "prefix_cache":
+        if profile.throughput is None:
+            raise ValueError(f"profile {profile.name} has no throughput section, so no prefix_cache workload")
+        return prefix_workload(profile.throughput, concurrency)
     if scenario == "slo_knee":
         if profile.throughput is None:
             raise ValueError(f"profile {profile.name} has no throughput section, so no slo_knee workload")
@@ -211,6 +231,16 @@ def unreachable(profile: Profile, key: BaselineKey) -> str | None:
             return f"{s} runs at concurrency 1, not {key.concurrency}"
         want = eagle3_workload(profile)
         return None if key.workload == want else f"workload {key.workload!r}: the profile's {s} runs {want!r}"
+    if s == "prefix_cache":
+        tp = profile.throughput
+        if tp is None:
+            return "the profile has no throughput section, so no prefix_cache"
+        if profile.engines.get(key.engine, {}).get("kind") not in ("vllm", "sglang"):
+            return f"prefix_cache runs on vLLM and SGLang engines, not {key.engine!r}"
+        if key.concurrency != max(tp.concurrency):
+            return f"prefix_cache runs at the sweep's top concurrency {max(tp.concurrency)}, not {key.concurrency}"
+        want = prefix_workload(tp, key.concurrency)
+        return None if key.workload == want else f"workload {key.workload!r}: the profile's prefix_cache runs {want!r}"
     if s == "slo_knee":
         tp = profile.throughput
         if tp is None or tp.slo is None:

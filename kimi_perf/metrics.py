@@ -83,6 +83,8 @@ _ALL = [
     _m("request_goodput", "req/s", "higher",
        "requests that completed within every SLO (TTFT, TPOT, E2EL) / measured duration (vLLM --goodput)"),
     _m("slo_attainment", "fraction", "higher", "requests within every SLO / requests sent (failed = not good)"),
+    _m("prefix_cache_ttft_ratio", "x", "lower",
+       "TTFT p50 of prompts sharing a prefix / TTFT p50 of unrelated prompts of the same length, same server and run"),
     _m("slo_knee_rate", "req/s", "higher",
        "highest request rate of the sweep at which SLO attainment (and every lower rate's) >= slo.min_attainment"),
     # speculative decoding

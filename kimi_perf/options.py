@@ -20,11 +20,11 @@ MARKERS = {
     "matrix": "the full EAGLE-3 extraction-path x serving-engine matrix, ~25 CPU minutes (deselected unless -m names it)",
     "matrix_noise": "the matrix tolerance vs retraining noise: own-features drafters x training seeds, ~18 CPU minutes "
                     "(deselected unless -m names it)",
-    "slo": "goodput under the profile's latency SLOs over a request-rate sweep, and its knee (deselected unless "
-           "-m names it)",
+    "traffic": "realistic traffic: goodput under the profile's latency SLOs over a request-rate sweep and its "
+               "knee, prefix caching on shared-prefix prompts (deselected unless -m names it)",
 }
 # markers whose tests run only when the -m expression names them (long experiments, not merge gates)
-OPT_IN_MARKERS = ("matrix", "matrix_noise", "slo")
+OPT_IN_MARKERS = ("matrix", "matrix_noise", "traffic")
 
 
 _INI: list[tuple[str, str, str]] = [

@@ -66,7 +66,7 @@ THROUGHPUT = {
     "gated_sweep": "metrics the sweep gates at each concurrency",
     "batching_gain": "{concurrency: C, min_ratio: R}: output tok/s at C must be at least R x that at C=1",
     "min_floor_ratio": "GPU profiles: minimum single-stream decode speed as a fraction of the memory-bandwidth floor",
-    "slo": "latency objectives and the request-rate sweep that finds the knee (pytest -m slo)",
+    "slo": "latency objectives and the request-rate sweep that finds the knee (pytest -m traffic)",
 }
 
 GATE = {
@@ -77,7 +77,8 @@ GATE = {
 }
 
 WORKLOAD = {
-    "dataset": "\"random\" token ids (exact input length), \"mtbench\" or \"sharegpt\" text",
+    "dataset": "\"random\" token ids (exact input length), \"shared-prefix\", \"mtbench\", \"sharegpt\" text, or "
+               "\"sharegpt-multiturn\" (ShareGPT V3 turns with their history)",
     "input_len": "prompt tokens: exact for random prompts, a cap for text",
     "output_len": "tokens generated per request (max_tokens; with ignore_eos, exact)",
     "num_prompts": "requests per repeat",
@@ -89,6 +90,7 @@ WORKLOAD = {
     "request_timeout_s": "client-side timeout per request",
     "request_rate": "open-loop arrivals per second; \"inf\" = closed loop",
     "burstiness": "gamma shape of the arrival gaps (1 = Poisson), vLLM's --burstiness",
+    "prefix_len": "dataset shared-prefix: ids every prompt of a repeat shares at its start",
     "extra": "extra request fields sent with every request",
 }
 
@@ -121,6 +123,7 @@ SLO = {
     "burstiness": "gamma shape of the arrivals (1 = Poisson)",
     "num_prompts": "requests per rate and repeat",
     "max_concurrency": "requests in flight at most",
+    "dataset": "\"random\" ids or \"sharegpt-multiturn\" conversations replayed turn by turn",
 }
 
 VARIANT = {

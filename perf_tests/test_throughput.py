@@ -145,7 +145,7 @@ def test_decode_vs_memory_floor(perf_session, perf_server, prompt_factory, perf_
         f"{tp.min_floor_ratio:.0%}")
 
 
-@pytest.mark.slo
+@pytest.mark.traffic
 def test_slo_knee(perf_session, perf_server, prompt_factory, perf_gate, target_model):
     """Goodput under the profile's latency objectives across a request-rate sweep, and its knee.
 
@@ -191,3 +191,39 @@ def test_slo_knee(perf_session, perf_server, prompt_factory, perf_gate, target_m
                     workload=scenario_workload(perf_session.profile, "slo_knee"), concurrency=slo.max_concurrency,
                     samples={"slo_knee_rate": knees}, gated=["slo_knee_rate"], engine_version=perf_server.version,
                     extra={"per_rate": samples, "slo": slo.describe(), "rates": list(slo.rates)})
+
+
+@pytest.mark.traffic
+def test_prefix_caching_ttft(perf_session, perf_engine_name, server_pool, prompt_factory, perf_gate, target_model):
+    """Prefix caching on prompts that share a long prefix (a system prompt, a few-shot preamble).
+
+    The engine runs with its prefix cache on (vLLM ``--enable-prefix-caching``, SGLang's radix cache);
+    per repeat, the same concurrency, lengths and server answer a shared-prefix workload (3/4 of the
+    input shared) and a workload of unrelated random prompts, interleaved, and the gate follows the
+    ratio of their TTFT medians (lower is better: below 1 when the cache serves the prefix). An engine
+    release that stops reusing the cache, or evicts it too early, moves this ratio towards 1."""
+    from fixtures.servers import engine_config
+    from kimi_perf.keys import prefix_workloads
+
+    tp = _spec(perf_session)
+    kind = str(perf_session.profile.engines[perf_engine_name]["kind"])
+    if kind == "reference":
+        pytest.skip("the reference engine has no prefix cache (every request prefills its whole prompt)")
+    over = {"enable_prefix_caching": True} if kind == "vllm" else {"disable_radix_cache": False}
+    cfg = engine_config(perf_session, perf_engine_name, target_model, tag="prefix-cache", **over)
+    srv = server_pool.get(cfg, exclusive=True)
+    c = max(tp.concurrency)
+    base, shared = prefix_workloads(tp, c)
+    ratios, ttft_shared, ttft_random = [], [], []
+    for rep in range(perf_session.repeats):
+        s = measure(srv, shared, lambda w, i, rep=rep: prompt_factory(w, rep * 100 + i), 1, label=f"{srv.name} shared prefix")[0]
+        r = measure(srv, base, lambda w, i, rep=rep: prompt_factory(w, rep * 100 + i), 1, label=f"{srv.name} random")[0]
+        ttft_shared.append(s.metrics["ttft_ms_p50"])
+        ttft_random.append(r.metrics["ttft_ms_p50"])
+        ratios.append(s.metrics["ttft_ms_p50"] / r.metrics["ttft_ms_p50"])
+    perf_gate.check(scenario="prefix_cache", engine=perf_engine_name, model=target_model.name,
+                    workload=scenario_workload(perf_session.profile, "prefix_cache", c), concurrency=c,
+                    samples={"prefix_cache_ttft_ratio": ratios}, gated=["prefix_cache_ttft_ratio"],
+                    engine_version=srv.version,
+                    extra={"ttft_ms_p50_shared": ttft_shared, "ttft_ms_p50_random": ttft_random,
+                           "prefix_len": shared.prefix_len, "input_len": base.input_len})

@@ -13,7 +13,11 @@ from typing import Any
 
 from .workload import Workload
 
-__all__ = ["PromptFactory"]
+__all__ = ["MULTITURN_CONVERSATIONS", "PromptFactory"]
+
+# conversations tokenized for the multi-turn dataset: enough for thousands of distinct requests, few
+# enough that tokenizing them (with their histories) takes seconds, not the minutes all 16K would
+MULTITURN_CONVERSATIONS = 2000
 
 
 class PromptFactory:
@@ -24,6 +28,7 @@ class PromptFactory:
     def __init__(self, model_dir: Path | str) -> None:
         self.model_dir = Path(model_dir)
         self._pools: dict[str, list[list[int]]] = {}
+        self._convs: dict[str, list[list[list[int]]]] = {}
 
     @cached_property
     def tokenizer(self) -> Any:
@@ -44,6 +49,27 @@ class PromptFactory:
         convs = load_mtbench() if dataset == "mtbench" else load_sharegpt()
         return [chat_prompt_ids(self.tokenizer, [c.turns[0]]) for c in convs]
 
+    def conversation_turns(self, max_len: int) -> list[list[list[int]]]:
+        """ShareGPT V3 conversations as chat prompts, one per user turn: turn t carries the user turns
+        before it and the conversation's recorded answers, as a returning user's request does. Turns
+        longer than ``max_len`` tokens end their conversation (a cut chat prompt is no real turn); the
+        first ``MULTITURN_CONVERSATIONS`` conversations with at least one turn that fits are used."""
+        from ..data import chat_prompt_ids, load_sharegpt_v3
+
+        out: list[list[list[int]]] = []
+        for c in load_sharegpt_v3():
+            turns: list[list[int]] = []
+            for t in range(1, len(c.turns) + 1):
+                ids = chat_prompt_ids(self.tokenizer, list(c.turns[:t]), list(c.reference_replies[: t - 1]))
+                if len(ids) > max_len:
+                    break
+                turns.append(ids)
+            if turns:
+                out.append(turns)
+            if len(out) >= MULTITURN_CONVERSATIONS:
+                break
+        return out
+
     def __call__(self, w: Workload, repeat: int) -> Sequence[Sequence[int]]:
         from ..data import random_token_prompts
 
@@ -51,6 +77,13 @@ class PromptFactory:
         if w.dataset == "random":
             low, high = self.id_range
             return random_token_prompts(w.num_prompts, w.input_len, seed=seed, low=low, high=high)
+        if w.dataset == "shared-prefix":
+            low, high = self.id_range
+            prefix = random_token_prompts(1, w.prefix_len, seed=seed, low=low, high=high)[0]
+            tails = random_token_prompts(w.num_prompts, w.input_len - w.prefix_len, seed=seed + 7, low=low, high=high)
+            return [prefix + t for t in tails]
+        if w.dataset == "sharegpt-multiturn":
+            return self._multiturn(w, seed)
         pool = self._text_pool(w.dataset)
         import numpy as np
 
@@ -59,6 +92,28 @@ class PromptFactory:
         while len(picked) < w.num_prompts:  # fewer texts than prompts: cycle deterministically
             picked.append(picked[len(picked) % max(1, len(order))])
         return picked
+
+    def _multiturn(self, w: Workload, seed: int) -> list[list[int]]:
+        """Whole conversations in a seeded order, each turn after the one before it, until
+        ``num_prompts`` turns: later turns share their conversation's earlier prompt as a prefix. The
+        turns are sent without waiting for the previous answer (the client is closed- or open-loop over
+        requests, not sessions); the history is the recorded one, so the prefix structure is real."""
+        import numpy as np
+
+        key = f"multiturn:{w.input_len}"
+        if key not in self._convs:
+            self._convs[key] = self.conversation_turns(w.input_len)
+        convs = self._convs[key]
+        if not convs:
+            raise FileNotFoundError(f"no ShareGPT V3 turn fits input_len {w.input_len}")
+        out: list[list[int]] = []
+        for i in np.random.default_rng(seed).permutation(len(convs)):
+            out += convs[int(i)]
+            if len(out) >= w.num_prompts:
+                break
+        while len(out) < w.num_prompts:  # fewer turns than requests: cycle deterministically
+            out.append(out[len(out) % max(1, len(convs))])
+        return out[: w.num_prompts]
 
     def _text_pool(self, dataset: str) -> list[list[int]]:
         if dataset not in self._pools:

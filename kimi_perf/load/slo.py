@@ -41,6 +41,9 @@ class SLOSpec:
     burstiness: float = 1.0  # gamma shape of the arrivals (1 = Poisson), vLLM's --burstiness
     num_prompts: int = 16  # requests per rate and repeat
     max_concurrency: int = 64  # requests in flight at most (vLLM's --max-concurrency)
+    # prompts: "random" ids of the throughput workload's length, or "sharegpt-multiturn" (ShareGPT V3
+    # conversations replayed turn by turn with their history, up to that length)
+    dataset: str = "random"
 
     def objectives(self) -> dict[str, float]:
         """The objectives that are set, by the per-request metric they bound."""
@@ -55,7 +58,8 @@ class SLOSpec:
         from dataclasses import replace
 
         return replace(base, name=f"{base.name}-slo", request_rate=float(rate), burstiness=self.burstiness,
-                       num_prompts=self.num_prompts, concurrency=self.max_concurrency)
+                       num_prompts=self.num_prompts, concurrency=self.max_concurrency, dataset=self.dataset,
+                       prefix_len=0)
 
 
 def good_request(r: RequestRecord, slo: SLOSpec) -> bool:
@@ -132,4 +136,8 @@ def parse_slo(raw: Any, where: str = "throughput.slo") -> SLOSpec:
         raise ValueError(f"{where}.rates: {rates!r} must be a non-empty increasing list of request rates > 0 "
                          "(req/s), e.g. [0.5, 1, 2, 4]")
     kw["rates"] = tuple(float(r) for r in rates)
+    if "dataset" in raw:
+        if raw["dataset"] not in ("random", "sharegpt-multiturn"):
+            raise ValueError(f"{where}.dataset: {raw['dataset']!r} must be \"random\" or \"sharegpt-multiturn\"")
+        kw["dataset"] = raw["dataset"]
     return SLOSpec(**kw)

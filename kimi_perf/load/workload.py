@@ -15,9 +15,10 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
-Dataset = Literal["random", "mtbench", "sharegpt"]
+Dataset = Literal["random", "mtbench", "sharegpt", "sharegpt-multiturn", "shared-prefix"]
+DATASETS = ("random", "mtbench", "sharegpt", "sharegpt-multiturn", "shared-prefix")
 
-__all__ = ["Dataset", "Workload"]
+__all__ = ["DATASETS", "Dataset", "Workload"]
 
 
 @dataclass(frozen=True)
@@ -39,12 +40,20 @@ class Workload:
     # ``concurrency`` still caps the requests in flight (vLLM's --max-concurrency)
     request_rate: float = float("inf")
     burstiness: float = 1.0
+    # dataset "shared-prefix": every prompt of a repeat starts with the same prefix_len random ids (a
+    # system prompt, a few-shot preamble), the rest is its own: what prefix caching is for
+    prefix_len: int = 0
     extra: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         problems = []
-        if self.dataset not in ("random", "mtbench", "sharegpt"):
-            problems.append(f"dataset {self.dataset!r} (use random, mtbench or sharegpt)")
+        if self.dataset not in DATASETS:
+            problems.append(f"dataset {self.dataset!r} (use one of {', '.join(DATASETS)})")
+        if self.dataset == "shared-prefix" and not 0 < self.prefix_len < self.input_len:
+            problems.append(f"prefix_len={self.prefix_len} (shared-prefix needs 0 < prefix_len < input_len "
+                            f"{self.input_len})")
+        if self.dataset != "shared-prefix" and self.prefix_len:
+            problems.append(f"prefix_len={self.prefix_len} (only the shared-prefix dataset has a prefix)")
         for f in ("input_len", "output_len", "num_prompts", "concurrency"):
             if getattr(self, f) < 1:
                 problems.append(f"{f}={getattr(self, f)} (must be >= 1)")
@@ -88,7 +97,8 @@ class Workload:
         d = self.to_dict()
         for k in ("concurrency", "request_timeout_s", "name"):
             d.pop(k)
-        if d["burstiness"] == 1.0:  # added later: keys of workloads that do not set it stay as stored
-            d.pop("burstiness")
+        for k, default in (("burstiness", 1.0), ("prefix_len", 0)):  # added later: keys that leave them
+            if d[k] == default:  # at the default stay as stored
+                d.pop(k)
         digest = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:8]
         return f"{self.name}-{digest}"
