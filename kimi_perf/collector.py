@@ -91,3 +91,5 @@ class PerfCollector:
         tr.write_line(f"report: {s.report_dir / 'summary.md'}  run file: {s.report_dir / 'run.json'}")
         if self.updated:
             tr.write_line(f"baselines updated: {self.updated[0]} ({self.updated[1]} entries)")
+            for c in s.store.conflicts:
+                tr.write_line(f"baselines: CONFLICTING UPDATE {c}")
