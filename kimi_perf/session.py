@@ -18,7 +18,7 @@ from .ab.base import ABBase
 from .ab.config import ABConfigError
 from .baselines import BaselineError, BaselineStore
 from .machine import gpu_info, hardware_key
-from .options import _opt
+from .options import OPTION_BOUNDS, _opt
 from .profiles import Profile, ProfileError, find_profile, load_profile
 
 
@@ -83,16 +83,14 @@ def _build_session(config: pytest.Config) -> PerfSession:
         if unknown:
             raise pytest.UsageError(f"--perf-engine {engines_opt}: profile {profile.name} ({profile.path}) has no engine "
                                     f"{', '.join(unknown)}; its engines: {', '.join(profile.engines)}")
-    try:
-        repeats = int(_opt(config, "perf_repeats"))
-        timeout = float(_opt(config, "perf_server_timeout"))
-    except ValueError as e:
-        raise pytest.UsageError(f"kimi-perf: bad number in perf_repeats/perf_server_timeout: {e}") from None
-    if repeats < 0:
-        raise pytest.UsageError("--perf-repeats must be >= 0 (0 = the profile's repeats)")
+    repeats = int(_bounded(config, "perf_repeats", int))
+    timeout = _bounded(config, "perf_server_timeout", float)
+    update = bool(config.getoption("--perf-update-baselines"))
     baseline_dir = Path(str(_opt(config, "perf_baseline_dir")))
     if not baseline_dir.is_absolute():
         baseline_dir = rootdir / baseline_dir
+    if update:
+        _check_writable_dir(baseline_dir, "--perf-baseline-dir (ini perf_baseline_dir), written by --perf-update-baselines")
     try:
         store = BaselineStore(baseline_dir / f"{profile.name}.json", profile.name)
     except BaselineError as e:
@@ -100,6 +98,7 @@ def _build_session(config: pytest.Config) -> PerfSession:
     report_dir = Path(str(_opt(config, "perf_report_dir")))
     if not report_dir.is_absolute():
         report_dir = rootdir / report_dir
+    _check_writable_dir(report_dir, "--perf-report-dir (ini perf_report_dir)")
     ab = None
     ab_opt = config.getoption("--perf-ab")
     if ab_opt:
@@ -113,8 +112,13 @@ def _build_session(config: pytest.Config) -> PerfSession:
     history_path = None
     if hist and hist.lower() != "off":
         history_path = (Path(hist) if Path(hist).is_absolute() else rootdir / hist) / f"{profile.name}.jsonl"
+        _check_writable_dir(history_path.parent, "--perf-history (ini perf_history_dir; 'off' disables it)")
     gpus = gpu_info()
     json_opt = config.getoption("--perf-json")
+    if json_opt:
+        if Path(json_opt).is_dir():
+            raise pytest.UsageError(f"--perf-json {json_opt}: is a directory; give the path of a file to write")
+        _check_writable_dir(Path(json_opt).absolute().parent, f"--perf-json {json_opt} (its directory)")
     pythons = {}
     for eng in ("vllm", "sglang"):
         # flag, then env, then the venv scripts/setup.sh creates beside the checkout
@@ -126,7 +130,7 @@ def _build_session(config: pytest.Config) -> PerfSession:
         pythons[eng] = cand
     return PerfSession(
         config=config, profile=profile, store=store, report_dir=report_dir,
-        repeats=repeats or profile.repeats, update=bool(config.getoption("--perf-update-baselines")),
+        repeats=repeats or profile.repeats, update=update,
         engines=engines, hardware=profile.hardware_key(hardware_key(gpus, use_gpu=profile.hardware == "cuda"), gpus),
         rootdir=rootdir,
         json_path=Path(json_opt) if json_opt else None, server_timeout_s=timeout,
@@ -135,6 +139,39 @@ def _build_session(config: pytest.Config) -> PerfSession:
         allow_remote_bind=bool(config.getoption("--perf-allow-remote-bind")), ab=ab, history_path=history_path,
         train_drafter=bool(config.getoption("--perf-train-drafter")),
     )
+
+
+def _bounded(config: pytest.Config, name: str, kind: type) -> float:
+    """A numeric option (or its ini value) within :data:`OPTION_BOUNDS`, else a UsageError naming it."""
+    lo, hi = OPTION_BOUNDS[name]
+    flag = "--" + name.replace("_", "-")
+    raw = _opt(config, name)
+    try:
+        v = kind(raw)
+    except (TypeError, ValueError):
+        raise pytest.UsageError(f"{flag} (ini {name}): {raw!r} is not a number; give one in [{lo:g}, {hi:g}]") from None
+    if not lo <= v <= hi:  # NaN fails this too
+        zero = " (0 = the profile's repeats)" if name == "perf_repeats" else ""
+        raise pytest.UsageError(f"{flag} (ini {name}): {raw} is out of range; give a value in [{lo:g}, {hi:g}]{zero}")
+    return v
+
+
+def _check_writable_dir(path: Path, option: str) -> None:
+    """Refuse, before anything runs, a directory the run will write but cannot: the path or one of its
+    parents is a file, or the nearest existing directory is not writable. Found after the run, this was
+    a raw NotADirectoryError/PermissionError naming no option, and the measurements were lost."""
+    p = path
+    while not p.exists():
+        if p.parent == p:
+            break
+        p = p.parent
+    if not p.is_dir():
+        what = "is a file" if p == path else f"has a file in its path ({p})"
+        raise pytest.UsageError(f"{option}: {path} {what}; it must be a directory. Fix: point the option elsewhere "
+                                "or move the file")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise pytest.UsageError(f"{option}: {path} is not writable by this user ({p} is read-only). Fix: point "
+                                "the option at a writable directory or fix its permissions")
 
 
 _FAILED_KEY = pytest.StashKey[str]()
