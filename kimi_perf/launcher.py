@@ -91,6 +91,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+# the launcher's pid, in every server's environment: a server that reads it (the reference engine) exits
+# at once when its parent is no longer that process, even where PR_SET_PDEATHSIG's SIGTERM is not enough
+PARENT_ENV = "KIMI_PERF_PARENT_PID"
+
 _LIVE: dict[int, ServerProcess] = {}
 _LIVE_LOCK = threading.Lock()
 
@@ -270,7 +274,7 @@ class ServerProcess:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{self.spec.name}-{port}.log"
         argv = [str(a) for a in self.spec.argv_for_port(port)]
-        env = {**os.environ, **self.spec.env}
+        env = {**os.environ, **self.spec.env, PARENT_ENV: str(os.getpid())}
         env.setdefault("PYTHONUNBUFFERED", "1")
         with self.log_path.open("wb") as logf:
             logf.write(f"$ {' '.join(argv)}\n".encode())
