@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from .baselines import entries_from_results
+from .baselines import BaselineError, entries_from_results
 from .machine import commit_info, machine_info
 from .recorder import PROP
 from .session import SESSION_KEY, PerfSession, activate
@@ -28,6 +28,8 @@ class PerfCollector:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.updated: tuple[Path, int] | None = None
+        # why --perf-update-baselines wrote nothing at the end (said in the summary, the run fails)
+        self.update_error: str | None = None
 
     @property
     def s(self) -> PerfSession:
@@ -68,7 +70,13 @@ class PerfCollector:
             return
         entries = entries_from_results(s.results, commit=commit, machine=minfo)
         if entries:
-            self.updated = (s.store.write(entries), len(entries))
+            try:
+                self.updated = (s.store.write(entries), len(entries))
+            except (OSError, BaselineError) as e:
+                # the directory was checked up front; a disk that filled or a file that changed under
+                # the run still must not cost the summary: say it there and fail the run
+                self.update_error = f"{type(e).__name__}: {e}"
+                session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
         if not self._active():
@@ -93,3 +101,5 @@ class PerfCollector:
             tr.write_line(f"baselines updated: {self.updated[0]} ({self.updated[1]} entries)")
             for c in s.store.conflicts:
                 tr.write_line(f"baselines: CONFLICTING UPDATE {c}")
+        if self.update_error:
+            tr.write_line(f"baselines NOT updated ({s.store.path}): {self.update_error}", red=True)

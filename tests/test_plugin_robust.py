@@ -114,3 +114,39 @@ def test_read_only_baseline_dir_is_refused_up_front(project):
     (project.path / "baselines").mkdir(mode=0o555)
     r = project.runpytest_subprocess("--perf-profile", "toy", "--perf-update-baselines")
     assert r.ret == pytest.ExitCode.USAGE_ERROR and "--perf-baseline-dir" in r.stderr.str()
+
+
+RACE = '''
+from pathlib import Path
+import pytest
+from kimi_perf.baselines import BaselineEntry, BaselineKey, BaselineStore, MetricSamples
+
+@pytest.mark.perf
+def test_speed(perf_gate):
+    # another run records the same key while this one is measuring
+    key = BaselineKey("toy", "reference", "toy-model", perf_gate.session.hardware, "w-1", 1)
+    other = BaselineEntry(key=key, metrics={{"output_throughput": MetricSamples("tok/s", "higher", (50.0,) * 3)}},
+                          commit="other", source="the other job")
+    BaselineStore(Path("baselines") / "toy.json", "toy").write([other])
+    {action}
+    perf_gate.check(scenario="toy", engine="reference", model="toy-model", workload="w-1", concurrency=1,
+                    samples={{"output_throughput": [100.0, 100.1, 99.9]}}, gated=["output_throughput"])
+'''
+
+
+def test_conflicting_update_is_said_in_the_summary(project):
+    project.makepyfile(test_race=RACE.format(action="pass"))
+    r = project.runpytest_subprocess("--perf-profile", "toy", "--perf-update-baselines")
+    r.assert_outcomes(passed=1)
+    r.stdout.fnmatch_lines(["*baselines updated*", "*CONFLICTING UPDATE*output_throughput also updated by another "
+                            "run (the other job)*"])
+
+
+def test_a_failed_baseline_write_keeps_the_summary_and_fails_the_run(project):
+    # the file turns into a directory under the run: the write at the end fails with an OSError
+    action = 'Path("baselines/toy.json").unlink(); Path("baselines/toy.json").mkdir()'
+    project.makepyfile(test_race=RACE.format(action=action))
+    r = project.runpytest_subprocess("--perf-profile", "toy", "--perf-update-baselines")
+    assert r.ret == pytest.ExitCode.TESTS_FAILED
+    r.stdout.fnmatch_lines(["*kimi-perf summary*", "*baselines NOT updated*IsADirectoryError*"])
+    assert (project.path / "perf-report" / "run.json").is_file()
