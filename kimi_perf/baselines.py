@@ -283,6 +283,9 @@ def _parse_entry(path: Path, i: int, raw: Any, schema: int = SCHEMA_VERSION) -> 
 def load_file(path: Path) -> tuple[str, dict[str, BaselineEntry]]:
     try:
         raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise BaselineError(f"{path}: cannot be read ({type(e).__name__}: {e}). "
+                            "Fix: it must be a readable JSON file; restore it from git") from None
     except json.JSONDecodeError as e:
         raise BaselineError(f"{path}: not valid JSON (line {e.lineno} col {e.colno}: {e.msg}). "
                             "Fix: repair the file or restore it from git") from None

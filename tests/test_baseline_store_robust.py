@@ -121,3 +121,9 @@ def test_nan_sample_fix_names_file_and_entry_and_not_only_the_refused_flag(tmp_p
         BaselineStore(p, "p")
     fix = str(ei.value).split("Fix:", 1)[1]
     assert str(p) in fix and "entries[0].metrics.output_throughput" in fix and "delete" in fix
+
+
+def test_a_baseline_path_that_is_a_directory_is_a_baseline_error(tmp_path):
+    (tmp_path / "p.json").mkdir()
+    with pytest.raises(BaselineError, match="cannot be read.*IsADirectoryError"):
+        BaselineStore(tmp_path / "p.json", "p")
