@@ -15,7 +15,7 @@ import pytest
 from .baselines import BaselineError, entries_from_results
 from .machine import commit_info, machine_info
 from .recorder import PROP
-from .session import SESSION_KEY, PerfSession, activate
+from .session import SESSION_KEY, PerfSession, activate, end_session_on_signals
 
 
 class PerfCollector:
@@ -47,6 +47,7 @@ class PerfCollector:
                 rec = json.loads(value) if isinstance(value, str) else value
                 rec["outcome"] = report.outcome
                 self.s.results.append(rec)
+                end_session_on_signals(cfg)  # the xdist controller collects nothing: its first sign of a run
                 cfg.hook.pytest_perf_result(config=cfg, result=rec)
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:

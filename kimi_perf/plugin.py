@@ -32,9 +32,7 @@ Nothing here imports torch or an engine.
 
 from __future__ import annotations
 
-import signal
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -56,10 +54,12 @@ from .session import (
     _PARAM_FIXTURES,
     _SESSION_FIXTURES,
     SESSION_KEY,
+    SIGNAL_KEY,
     PerfSession,
     _build_session,
     _switch,
     activate,
+    end_session_on_signals,
     get_session,
     needs_session,
     server_affine_order,
@@ -215,49 +215,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         elif item.get_closest_marker("gpu") is not None and not s.gpus:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; nvidia-smi lists none on this machine"))
     items[:] = server_affine_order(items, s.engines)
-    _end_session_on_signals(config)
-
-
-# -- SIGTERM / SIGHUP -----------------------------------------------------------------------------
-
-# the signal that ended the session, if one did: the exit code says it (128 + signal number)
-_SIGNAL_KEY = pytest.StashKey[int]()
-END_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-
-
-def _end_session_on_signals(config: pytest.Config) -> None:
-    """SIGTERM and SIGHUP end the session the way SIGINT does: a KeyboardInterrupt unwinds the running
-    test, pytest tears the fixtures down (servers and ranks stopped), the collector writes run.json and
-    the summary with what was measured, and the exit code is 128 + the signal number.
-
-    Why: the launcher's handler alone raised SystemExit inside the running test, which pytest records
-    as that test's failure and carries on with the next one (a fresh server included): a CI cancel was
-    ignored until the runner escalated to SIGKILL and lost the run's results. Installed only once a
-    perf session is active, so plain unit-test runs keep Python's default handling."""
-    if threading.current_thread() is not threading.main_thread() or _SIGNAL_KEY in config.stash:
-        return
-    config.stash[_SIGNAL_KEY] = 0
-    previous = {sig: signal.getsignal(sig) for sig in END_SIGNALS}
-
-    def handler(signum: int, frame: object) -> None:
-        if config.stash.get(_SIGNAL_KEY, 0):
-            return  # already unwinding: a repeated signal must not interrupt the teardown and reports
-        config.stash[_SIGNAL_KEY] = signum
-        raise KeyboardInterrupt(f"{signal.Signals(signum).name} received: ending the kimi-perf session")
-
-    for sig in END_SIGNALS:
-        signal.signal(sig, handler)
-
-    def restore() -> None:
-        for sig, prev in previous.items():
-            signal.signal(sig, prev)
-
-    config.add_cleanup(restore)
+    end_session_on_signals(config)
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    signum = session.config.stash.get(_SIGNAL_KEY, 0)
+    signum = session.config.stash.get(SIGNAL_KEY, 0)
     if signum:
         # pytest returns session.exitstatus as set after this hook: 2 (interrupted) would hide the signal
         session.exitstatus = 128 + signum

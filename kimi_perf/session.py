@@ -7,6 +7,8 @@ hook reaches for, and it reads only options, profiles and baselines, never the g
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -260,3 +262,41 @@ def server_affine_order(items: list[pytest.Item], engines: tuple[str, ...] | lis
         return (mod, rank[engine] if engine is not None else 0, line if isinstance(line, int) else pos, indices, pos)
 
     return [item for _, item in sorted(enumerate(items), key=key)]
+
+
+# -- SIGTERM / SIGHUP -----------------------------------------------------------------------------
+
+# the signal that ended the session, if one did: the exit code says it (128 + signal number)
+SIGNAL_KEY = pytest.StashKey[int]()
+END_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def end_session_on_signals(config: pytest.Config) -> None:
+    """SIGTERM and SIGHUP end the session the way SIGINT does: a KeyboardInterrupt unwinds the running
+    test, pytest tears the fixtures down (servers and ranks stopped), the collector writes run.json and
+    the summary with what was measured, and the exit code is 128 + the signal number.
+
+    Why: the launcher's handler alone raised SystemExit inside the running test, which pytest records
+    as that test's failure and carries on with the next one (a fresh server included): a CI cancel was
+    ignored until the runner escalated to SIGKILL and lost the run's results. Installed only once a
+    perf session is active (on the xdist controller: at the first result), so plain unit-test runs
+    keep Python's default handling."""
+    if threading.current_thread() is not threading.main_thread() or SIGNAL_KEY in config.stash:
+        return
+    config.stash[SIGNAL_KEY] = 0
+    previous = {sig: signal.getsignal(sig) for sig in END_SIGNALS}
+
+    def handler(signum: int, frame: object) -> None:
+        if config.stash.get(SIGNAL_KEY, 0):
+            return  # already unwinding: a repeated signal must not interrupt the teardown and reports
+        config.stash[SIGNAL_KEY] = signum
+        raise KeyboardInterrupt(f"{signal.Signals(signum).name} received: ending the kimi-perf session")
+
+    for sig in END_SIGNALS:
+        signal.signal(sig, handler)
+
+    def restore() -> None:
+        for sig, prev in previous.items():
+            signal.signal(sig, prev)
+
+    config.add_cleanup(restore)
