@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 from kimi_perf.engines.reference import protocol as pr
 
 VOCAB = 1000
+# text with lone surrogates too: JSON can carry "\ud800", which no UTF-8 tokenizer takes
+texts = st.text(max_size=8) | st.text(st.characters(codec=None, categories=["Cs", "Ll"]), min_size=1, max_size=4)
 scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.integers(-3, 40)
-           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8))
+           | st.floats(allow_nan=True, allow_infinity=True) | texts)
 values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
                       | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=12)
 
@@ -44,6 +46,8 @@ def check(parsed: pr.ParsedRequest) -> None:
     assert parsed.seed is None or (type(parsed.seed) is int and 0 <= parsed.seed < 2**63)
     assert parsed.prompt_ids is None or all(type(t) is int and 0 <= t < VOCAB for t in parsed.prompt_ids)
     assert (parsed.prompt_ids is not None) or (parsed.prompt_text is not None) or (parsed.messages is not None)
+    for t in [parsed.prompt_text or "", *(m["content"] for m in parsed.messages or [])]:
+        t.encode("utf-8")  # what the tokenizer needs
 
 
 def parse_or_400(fn, body):
@@ -80,6 +84,7 @@ def test_generate_parse_or_400(body, sp):
 @given(st.sampled_from([
     {"prompt": [1], "seed": 2**70}, {"prompt": [1], "seed": -1}, {"prompt": [1], "temperature": math.nan},
     {"prompt": [1], "temperature": math.inf}, {"prompt": [1], "max_tokens": 4, "min_tokens": 5},
+    {"prompt": "a\ud800"},
 ]))
 def test_issue26_values_are_400(body):
     try:

@@ -81,6 +81,16 @@ def _check_fields(body: Any, schema: dict[str, Any], where: str) -> None:
             raise BadRequest(f"field {key!r} in {where} must be {_type_name(want)}, got {type(value).__name__}", key)
 
 
+def _check_text(text: str, field: str) -> str:
+    """A prompt string the tokenizer can take: JSON may carry a lone surrogate (``"\\ud800"``), which
+    Python decodes into a str that no UTF-8 tokenizer accepts (it was a 500 from inside tokenization)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"{field} is not valid Unicode text ({e.reason} at index {e.start})", field) from None
+    return text
+
+
 def _check_token_ids(ids: list[Any], field: str, vocab_size: int) -> list[int]:
     if not ids:
         raise BadRequest(f"{field} is empty: give at least one token", field)
@@ -168,13 +178,13 @@ def parse_completion(body: Any, *, vocab_size: int, default_max: int = 16) -> Pa
     text: str | None = None
     ids: list[int] | None = None
     if isinstance(prompt, str):
-        text = prompt
+        text = _check_text(prompt, "prompt")
         if not text:
             raise BadRequest("prompt is empty", "prompt")
     elif prompt and all(isinstance(p, str) for p in prompt):
         if len(prompt) != 1:
             raise BadRequest("batched prompts are not supported: send one request per prompt", "prompt")
-        text = prompt[0]
+        text = _check_text(prompt[0], "prompt")
     elif prompt and isinstance(prompt[0], list):
         if len(prompt) != 1:
             raise BadRequest("batched prompts are not supported: send one request per prompt", "prompt")
@@ -201,6 +211,9 @@ def parse_chat(body: Any, *, vocab_size: int, default_max: int = 16) -> ParsedRe
             raise BadRequest(f"messages[{i}].role must be system, user or assistant", "messages")
         if "content" not in m:
             raise BadRequest(f"messages[{i}] has no content", "messages")
+        for k in ("content", "name"):
+            if k in m:
+                _check_text(m[k], "messages")
     key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     s = _common_sampling(body, max_key=key, default_max=default_max)
     return ParsedRequest(
@@ -230,6 +243,8 @@ def parse_generate(body: Any, *, vocab_size: int, default_max: int = 128) -> lis
         texts = [t] if isinstance(t, str) else t
         if not texts or not all(isinstance(x, str) and x for x in texts):
             raise BadRequest("text must be a non-empty string or a list of non-empty strings", "text")
+        for x in texts:
+            _check_text(x, "text")
         prompts = [(x, None) for x in texts]
     else:
         ids = body["input_ids"]
