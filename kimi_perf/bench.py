@@ -13,7 +13,7 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .load.client import run_workload
@@ -39,18 +39,22 @@ class RunningServer:
     process: Any  # kimi_perf.launcher.ServerProcess
     config: Any
     version: str | None = None
+    # sent with every request: an existing endpoint's Authorization (--perf-url); empty for launches
+    headers: dict[str, str] = field(default_factory=dict)
 
     def get_json(self, path: str, timeout: float = 30.0) -> Any:
-        with urllib.request.urlopen(self.base_url + path, timeout=timeout) as r:  # noqa: S310 - loopback
+        req = urllib.request.Request(self.base_url + path, headers=self.headers)
+        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - loopback or --perf-url
             return json.loads(r.read())
 
     def get_text(self, path: str, timeout: float = 30.0) -> str:
-        with urllib.request.urlopen(self.base_url + path, timeout=timeout) as r:  # noqa: S310 - loopback
+        req = urllib.request.Request(self.base_url + path, headers=self.headers)
+        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - loopback or --perf-url
             return r.read().decode()
 
     def post_json(self, path: str, body: Any, timeout: float = 600.0) -> Any:
         req = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
+                                     headers={"Content-Type": "application/json", **self.headers}, method="POST")
         with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - loopback
             raw = r.read()
         return json.loads(raw) if raw[:1] in (b"{", b"[") else raw.decode()
@@ -101,7 +105,8 @@ def measure(
     for i in range(repeats):
         prompts = prompts_for(workload, i)
         t0 = time.monotonic()
-        res = run_workload(server.base_url, server.model, prompts, workload, warmup_prompts=warm if i == 0 else [])
+        res = run_workload(server.base_url, server.model, prompts, workload, warmup_prompts=warm if i == 0 else [],
+                           headers=server.headers)
         m = res.metrics
         log(f"{label or server.name} c={workload.concurrency} repeat {i + 1}/{repeats}: "
                   f"{m.get('output_throughput', float('nan')):.1f} tok/s, TPOT p50 {m.get('tpot_ms_p50', float('nan')):.1f} ms, "

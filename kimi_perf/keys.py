@@ -30,7 +30,7 @@ from .baselines import BaselineKey
 from .profiles import Profile, ThroughputSpec
 
 __all__ = ["EAGLE3_SCENARIOS", "THROUGHPUT_SCENARIOS", "eagle3_eval", "eagle3_workload", "matrix_workload", "scenario_workload",
-           "throughput_workload", "unreachable"]
+           "slo_workload", "throughput_workload", "unreachable"]
 
 # scenario -> which workload of the throughput section it runs (single stream or the sweep at C)
 THROUGHPUT_SCENARIOS = {"single_stream": "single", "decode_floor": "single",
@@ -71,6 +71,19 @@ def throughput_workload(tp: ThroughputSpec, scenario: str, concurrency: int) -> 
     return tp.sweep_workload(concurrency).key
 
 
+def slo_workload(tp: ThroughputSpec) -> str:
+    """The workload key of the SLO rate sweep (``slo_knee``): the sweep's workload at its first rate
+    plus a digest of the objectives and rates, so a changed objective is a new baseline."""
+    import hashlib
+    import json
+    from dataclasses import asdict
+
+    if tp.slo is None:
+        raise ValueError("the throughput section has no slo, so no slo_knee workload")
+    digest = hashlib.sha256(json.dumps(asdict(tp.slo), sort_keys=True).encode()).hexdigest()[:8]
+    return f"{tp.slo.workload(tp.workload, tp.slo.rates[0]).key}-{digest}"
+
+
 def scenario_workload(profile: Profile, scenario: str, concurrency: int = 1) -> str:
     """The workload key ``scenario`` runs at ``concurrency`` under ``profile`` (throughput and EAGLE-3
     scenarios; the tests build their keys with this)."""
@@ -80,6 +93,10 @@ def scenario_workload(profile: Profile, scenario: str, concurrency: int = 1) -> 
         return throughput_workload(profile.throughput, scenario, concurrency)
     if scenario in EAGLE3_SCENARIOS:
         return eagle3_workload(profile)
+    if scenario == "slo_knee":
+        if profile.throughput is None:
+            raise ValueError(f"profile {profile.name} has no throughput section, so no slo_knee workload")
+        return slo_workload(profile.throughput)
     raise ValueError(f"no workload rule for scenario {scenario!r}: add it to kimi_perf/keys.py")
 
 
@@ -211,6 +228,16 @@ def unreachable(profile: Profile, key: BaselineKey) -> str | None:
             return f"{s} runs at concurrency 1, not {key.concurrency}"
         want = eagle3_workload(profile)
         return None if key.workload == want else f"workload {key.workload!r}: the profile's {s} runs {want!r}"
+    if s == "slo_knee":
+        tp = profile.throughput
+        if tp is None or tp.slo is None:
+            return "slo_knee runs only with throughput.slo set"
+        if key.engine not in profile.engines:
+            return f"engine {key.engine!r} is not one of the profile's {list(profile.engines)}"
+        if key.concurrency != tp.slo.max_concurrency:
+            return f"slo_knee is keyed at slo.max_concurrency {tp.slo.max_concurrency}, not {key.concurrency}"
+        want = slo_workload(tp)
+        return None if key.workload == want else f"workload {key.workload!r}: the profile's slo_knee runs {want!r}"
     if s in ("eagle3_matrix", "eagle3_matrix_retrain"):
         return _matrix_problem(profile, key)
     if s.startswith("alignment_"):

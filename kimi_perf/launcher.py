@@ -83,6 +83,7 @@ class LaunchSpec:
     log_dir: Path = Path("perf-report/logs")
     port_in_use_markers: tuple[str, ...] = ("address already in use", "cannot bind", "errno 98")
     cwd: str | None = None
+    cpus: tuple[int, ...] = ()  # CPU affinity of the server and everything it spawns; () = inherited
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -119,6 +120,19 @@ def die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
+
+
+def _child_setup(cpus: tuple[int, ...]) -> Callable[[], None]:
+    """``preexec_fn``: :func:`die_with_parent`, and the CPU affinity set in the child before it execs,
+    so no engine thread ever runs outside it (setting it on the pid after the launch would race
+    the threads the engine starts while importing)."""
+
+    def setup() -> None:
+        die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return setup
 
 
 def _install_handlers() -> None:
@@ -281,12 +295,13 @@ class ServerProcess:
             logf.flush()
             self.proc = subprocess.Popen(
                 argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                cwd=self.spec.cwd, start_new_session=True, preexec_fn=die_with_parent,
+                cwd=self.spec.cwd, start_new_session=True, preexec_fn=_child_setup(tuple(self.spec.cpus)),
             )
         with _LIVE_LOCK:
             _LIVE[self.proc.pid] = self
         self.started_at = time.monotonic()
-        log(f"{self.spec.name}: launched pid {self.proc.pid} on {self.spec.host}:{port} (log: {self.log_path})")
+        pin = f", CPUs {','.join(map(str, self.spec.cpus))}" if self.spec.cpus else ""
+        log(f"{self.spec.name}: launched pid {self.proc.pid} on {self.spec.host}:{port}{pin} (log: {self.log_path})")
 
     def start(self, port: int | None = None, *, attempts: int = 3) -> ServerProcess:
         last: ServerError | None = None

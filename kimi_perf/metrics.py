@@ -79,6 +79,12 @@ _ALL = [
        "(from /proc; steal time is not charged to it)"),
     _m("host_steal_fraction", "fraction", "lower", "host CPU steal time / all CPU time during a repeat (/proc/stat)"),
     _m("server_ready_s", "s", "lower", "launch to first healthy /health answer of a server"),
+    # latency objectives (kimi_perf.load.slo; vLLM's --goodput definition)
+    _m("request_goodput", "req/s", "higher",
+       "requests that completed within every SLO (TTFT, TPOT, E2EL) / measured duration (vLLM --goodput)"),
+    _m("slo_attainment", "fraction", "higher", "requests within every SLO / requests sent (failed = not good)"),
+    _m("slo_knee_rate", "req/s", "higher",
+       "highest request rate of the sweep at which SLO attainment (and every lower rate's) >= slo.min_attainment"),
     # speculative decoding
     _m("accept_length", "tok/step", "higher", "tokens per verify step incl. bonus (SGLang spec_accept_length)"),
     _m("accept_rate", "fraction", "higher", "accepted drafts / proposed drafts (no bonus)"),

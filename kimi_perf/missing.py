@@ -5,7 +5,7 @@ a *skip* on a developer's laptop (with the reason and the fix), but a run that a
 pieces -- CI (``CI=true``) or a user who named the profile with ``--perf-profile`` -- must not come back
 green with nothing measured. Every fixture and the collection hook ask this module, so the rule cannot
 drift between them. ``KIMI_PERF_SKIP_<KIND>=1`` keeps an engine's missing environment a skip (the
-README's opt-out for CI machines without that engine).
+opt-out for CI machines without that engine, docs/gpu-runners.md).
 """
 
 from __future__ import annotations

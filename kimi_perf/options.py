@@ -20,9 +20,11 @@ MARKERS = {
     "matrix": "the full EAGLE-3 extraction-path x serving-engine matrix, ~25 CPU minutes (deselected unless -m names it)",
     "matrix_noise": "the matrix tolerance vs retraining noise: own-features drafters x training seeds, ~18 CPU minutes "
                     "(deselected unless -m names it)",
+    "slo": "goodput under the profile's latency SLOs over a request-rate sweep, and its knee (deselected unless "
+           "-m names it)",
 }
 # markers whose tests run only when the -m expression names them (long experiments, not merge gates)
-OPT_IN_MARKERS = ("matrix", "matrix_noise")
+OPT_IN_MARKERS = ("matrix", "matrix_noise", "slo")
 
 
 _INI: list[tuple[str, str, str]] = [
@@ -97,6 +99,18 @@ def add_options(parser: pytest.Parser) -> None:
                 help="append every run's medians (with commit, host, engine versions) to DIR/<profile>.jsonl for "
                      "'python -m kimi_perf.history'; 'off' disables it "
                      f"({_ini_help('perf_history_dir')})")
+    g.addoption("--perf-url", default=None, metavar="URL",
+                help="measure the OpenAI-compatible server already running at URL (scheme://host[:port]) instead of "
+                     "launching the profile's engine; name its engine with --perf-engine NAME (baselines key on it); "
+                     "tests that need a launch of their own skip with the reason")
+    g.addoption("--perf-tokenizer", default=None, metavar="DIR",
+                help="with --perf-url: the served model's tokenizer directory, for the token-id prompts (default: "
+                     "the profile's model)")
+    g.addoption("--perf-api-key-env", default=None, metavar="NAME",
+                help="with --perf-url: environment variable holding a bearer token for the endpoint (default "
+                     "KIMI_PERF_API_KEY; unset = no Authorization header)")
+    g.addoption("--perf-served-model", default=None, metavar="NAME",
+                help="with --perf-url: the model name to request (default: the first one /v1/models lists)")
     for name, help_, default in _INI:
         parser.addini(name, help_, default=default)
 

@@ -130,7 +130,7 @@ def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
             + (", UPDATING baselines" if s.update else "")] + (
         [f"kimi-perf A/B: candidate = this checkout, base = {s.ab.label}; threshold {s.profile.ab.threshold:.1%}, "
          f"blocks {s.profile.ab.min_blocks}-{s.profile.ab.max_blocks} x {s.profile.ab.repeats_per_block} pairs"
-         + (", relaunching servers every block" if s.profile.ab.relaunch else "")] if s.ab else [])
+         + f", {s.profile.ab.launch_schedule}"] if s.ab else [])
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -35,9 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from .ab.config import ABSpec
+from .ab.config import ABSpec, describe_launches
 from .ab.decide import decide
 from .ab.runner import ABOutcome, ABSideError, Probe, run_ab, stop_reason
+from .ab.variance import aa_bias, pair_log_ratios, second_launch_effect, variance_components
 from .bench import RunningServer, fetch_version
 from .engines.reference import PLANT_ENV
 from .metrics import METRICS
@@ -59,11 +60,11 @@ class ProcessSide:
     log_dir: Path
     server: RunningServer | None = None
 
-    def start(self) -> RunningServer:
+    def start(self, cpus: tuple[int, ...] = ()) -> RunningServer:
         from .launcher import ServerProcess
 
         self.stop()
-        proc = ServerProcess(self.cfg.launch_spec(self.log_dir)).start()
+        proc = ServerProcess(replace(self.cfg, cpus=tuple(cpus)).launch_spec(self.log_dir)).start()
         self.server = RunningServer(self.cfg.name, self.cfg.kind, proc.base_url, self.cfg.served_model_name, proc,
                                     self.cfg)
         self.server.version = fetch_version(self.server)
@@ -107,10 +108,13 @@ def trial_record(out: ABOutcome, plant: float, round_: int) -> dict[str, Any]:
         # per block, per gated metric: the pair log ratios (what the replay resamples)
         "block_log_ratios": {f"{p}:{m}": out.block_log_ratios(p, m) for p, m in gated},
         # every pair's gated and noise-resistant figures, for analyses the gate does not make
-        "pairs": [{"block": pr.block, "probe": pr.probe, "first": pr.first, "redone": pr.redone,
+        "pairs": [{"block": pr.block, "launch": pr.launch, "probe": pr.probe, "first": pr.first, "redone": pr.redone,
                    **{f"{side}_{k}": getattr(pr, side).get(k) for side in ("base", "candidate")
-                      for k in ("decode_tok_s", "output_throughput", "engine_cpu_ms_per_tok", "host_steal_fraction")}}
+                      for k in ("decode_tok_s", "output_throughput", "steady_output_throughput",
+                                "engine_cpu_ms_per_tok", "host_steal_fraction")}}
                   for pr in out.pairs],
+        "launch_order": [[x["role"], x.get("round", 0)] for x in out.launches],
+        "cpus": out.cpus,
         "steal_max": max((v for pr in out.pairs for v in (pr.base.get("host_steal_fraction", 0.0),
                                                           pr.candidate.get("host_steal_fraction", 0.0))
                           if math.isfinite(v)), default=None),
@@ -170,6 +174,14 @@ def summarize(entry: dict[str, Any], spec: ABSpec, probes: Sequence[Probe], *, r
             "median_wall_s_by_verdict": walls, "median_wall_s": float(np.median([t["wall_s"] for t in ok])) if ok else None,
             "median_blocks": float(np.median([t["blocks"] for t in ok])) if ok else None,
         }
+        noise = {}
+        for p in probes:
+            for m in p.gated:
+                rows = pair_log_ratios(ok, p.name, m)
+                noise[f"{p.name}:{m}"] = {"components": variance_components(rows)}
+                if float(plant) == 0:  # identical code: what it measures as a change is bias
+                    noise[f"{p.name}:{m}"].update(aa_bias=aa_bias(rows), second_launch=second_launch_effect(rows))
+        c["noise"] = noise
         if blocks and replay_trials:
             r = replay(blocks, spec, probes, n_trials=replay_trials, seed=int(float(plant) * 1000))
             r["fail_rate"] = r["fail"] / r["trials"]
@@ -201,7 +213,7 @@ def markdown(doc: dict[str, Any]) -> str:
                   f"profile {e.get('profile')}, engine {e.get('engine')}, {_commits(e)}; "
                   f"threshold {e['spec']['threshold']:.1%}, alpha {e['spec']['alpha']}, blocks "
                   f"{e['spec']['min_blocks']}-{e['spec']['max_blocks']} x {e['spec']['repeats_per_block']} pairs, "
-                  f"relaunch {e['spec']['relaunch']}; servers {e.get('servers', '?')}", "",
+                  f"{_launches(e['spec'])}; servers {e.get('servers', '?')}", "",
                   "| planted | trials | FAIL rate (direct, 95% CI) | inconclusive | median wall s | FAIL rate (replay) | "
                   "inconclusive (replay) |", "|---|---|---|---|---|---|---|"]
         for plant, c in s.get("conditions", {}).items():
@@ -213,7 +225,38 @@ def markdown(doc: dict[str, Any]) -> str:
                 + (f"{rp['fail_rate']:.3f} ({rp['trials']} from {rp['blocks_pool']} blocks) | "
                    f"{rp['inconclusive_rate']:.3f} |" if rp else "- | - |"))
         lines.append("")
+        lines += _noise_lines(s.get("conditions", {}))
     return "\n".join(lines) + "\n"
+
+
+def _launches(spec: dict[str, Any]) -> str:
+    """A stored entry's launch schedule (entries recorded before launch rounds say ``relaunch``)."""
+    return describe_launches(spec.get("blocks_per_launch", 1 if spec.get("relaunch", True) else 0),
+                             bool(spec.get("pin_cpus")))
+
+
+def _noise_lines(conditions: dict[str, Any]) -> list[str]:
+    """The A/A bias and the variance components (sd of a pair's log ratio by level, in %)."""
+    out: list[str] = []
+    for plant, c in conditions.items():
+        for key, n in (c.get("noise") or {}).items():
+            lv = n["components"].get("levels", {})
+            if not lv:
+                continue
+            if not out:
+                out += ["| planted | probe:metric | pairs | sd within pair | between blocks | between launches | "
+                        "between trials | A/A ratio (95% CI) | second-launch effect |", "|---|---|---|---|---|---|---|---|---|"]
+
+            def sd(name: str, lv: dict[str, Any] = lv) -> str:
+                x = lv.get(name, {})
+                return "confounded" if x.get("confounded") else f"{100 * x.get('sd', float('nan')):.2f}%"
+
+            b, s2 = n.get("aa_bias") or {}, n.get("second_launch") or {}
+            bias = (f"x{b['ratio']:.4f} [{b['lo']:.4f}, {b['hi']:.4f}]" if "ratio" in b else "-")
+            sec = (f"x{s2['ratio']:.4f} [{s2['lo']:.4f}, {s2['hi']:.4f}]" if "ratio" in s2 else "-")
+            out.append(f"| {float(plant):.0%} | {key} | {n['components']['pairs']} | {sd('pair')} | {sd('block')} | "
+                       f"{sd('launch')} | {sd('trial')} | {bias} | {sec} |")
+    return out + [""] if out else []
 
 
 def _target(profile: Any) -> tuple[str, Path, str]:
@@ -245,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label", default=None, help="machine label in the output (default: the hardware key)")
     ap.add_argument("--max-wall-s", type=float, default=None, help="start no trial after this many seconds")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override an ab policy field for this study, e.g. relaunch=false (JSON values)")
+                    help="override an ab policy field for this study, e.g. blocks_per_launch=3 or pin_cpus=true (JSON values)")
     ap.add_argument("--replay-trials", type=int, default=4000, help="resampled trials per condition (0 = none)")
     ap.add_argument("--reuse-servers", action="store_true",
                     help="launch the base and each condition's candidate once and keep them for every trial (when "
@@ -295,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         entry = {"profile": profile.name, "engine": ns.engine, "hardware_class": profile.hardware, "spec": spec_json,
                  "probes": probes_json, "trials": []}
     entry["servers"] = ("launched once per side and condition, reused by every trial (launch effect not sampled)"
-                        if ns.reuse_servers else "launched by every trial, and every block when spec.relaunch")
+                        if ns.reuse_servers else f"launched by every trial: {_launches(spec_json)}")
     entry["engine_settings"] = {k: v for k, v in over.items() if k != "load_format"}
     for t in entry["trials"]:  # trials of an earlier continuation ran at the commit the entry named then
         t.setdefault("commit", entry.get("commit"))
@@ -347,11 +390,11 @@ class KeptSide:
     def __init__(self, side: ProcessSide) -> None:
         self.side, self.role, self.label = side, side.role, side.label
 
-    def start(self) -> RunningServer:
+    def start(self, cpus: tuple[int, ...] = ()) -> RunningServer:
         s = self.side.server
         if s is not None and s.process.alive():
             return s
-        return self.side.start()
+        return self.side.start(cpus)
 
     def stop(self) -> None:
         pass

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .ab.config import ABConfigError, ABSpec, Variant, parse_ab, parse_variants
+from .load.slo import SLOSpec, parse_slo
 from .load.workload import Workload
 from .metrics import METRICS
 from .models.shapes import DUMMY_SHAPES  # re-exported: profiles name these shapes, callers import them here
@@ -47,6 +48,8 @@ class ThroughputSpec:
     batching_gain: tuple[int, float] | None = None  # (concurrency C, minimum tok/s ratio C vs 1)
     # GPU profiles: minimum single-stream decode speed as a fraction of the memory-bandwidth floor
     min_floor_ratio: float | None = None
+    # latency objectives and the request-rate sweep that finds the knee (kimi_perf.load.slo)
+    slo: SLOSpec | None = None
 
     def sweep_workload(self, c: int) -> Workload:
         return self.workload.with_concurrency(c, num_prompts=max(self.workload.num_prompts, self.prompts_per_concurrency * c))
@@ -227,7 +230,7 @@ def _load_profile(path: Path) -> Profile:
         if not isinstance(t, dict):
             raise _e(path, "throughput", "must be an object", "see profiles/embedded-cpu.json")
         bad = set(t) - {"workload", "concurrency", "prompts_per_concurrency", "single_stream", "gated_single",
-                        "gated_sweep", "batching_gain", "min_floor_ratio"}
+                        "gated_sweep", "batching_gain", "min_floor_ratio", "slo"}
         if bad:
             raise _e(path, "throughput", f"unknown key(s) {sorted(bad)}", "see profiles/embedded-cpu.json")
         conc = t.get("concurrency", [1])
@@ -254,13 +257,20 @@ def _load_profile(path: Path) -> Profile:
         if mfr is not None and (isinstance(mfr, bool) or not isinstance(mfr, (int, float)) or not 0 < mfr <= 1):
             raise _e(path, "throughput.min_floor_ratio", f"{mfr!r}",
                      "a fraction in (0, 1]: decode tok/s over the bandwidth floor, e.g. 0.5")
+        slo = None
+        if t.get("slo") is not None:
+            try:
+                slo = parse_slo(t["slo"])
+            except ValueError as ex:
+                raise _e(path, "throughput.slo", str(ex).removeprefix("throughput.slo: "),
+                         "see kimi_perf/load/slo.py (SLOSpec) and profiles/embedded-cpu.json") from None
         tp = ThroughputSpec(
             workload=wl, concurrency=tuple(conc), prompts_per_concurrency=ppc,
             single_stream=ss,
             gated_single=_metrics_list(path, "throughput.gated_single", t.get("gated_single", ["decode_tok_s", "ttft_ms_p50"])),
             gated_sweep=_metrics_list(path, "throughput.gated_sweep", t.get("gated_sweep", ["output_throughput", "tpot_ms_p50"])),
             batching_gain=(int(bg["concurrency"]), float(bg["min_ratio"])) if bg else None,
-            min_floor_ratio=float(mfr) if mfr is not None else None,
+            min_floor_ratio=float(mfr) if mfr is not None else None, slo=slo,
         )
     g = raw.get("gate", {})
     if not isinstance(g, dict):
@@ -310,11 +320,11 @@ def _load_profile(path: Path) -> Profile:
     try:
         ab = parse_ab(raw.get("ab"), hardware=hw)
     except ABConfigError as ex:
-        raise _e(path, "ab", str(ex), "see the 'Same-run A/B' section of the README") from None
+        raise _e(path, "ab", str(ex), "see docs/ab-gate.md") from None
     try:
         variants = parse_variants(raw.get("variants"), engines)
     except ABConfigError as ex:
-        raise _e(path, "variants", str(ex), "see the 'Same-run A/B' section of the README") from None
+        raise _e(path, "variants", str(ex), "see docs/ab-gate.md") from None
     return Profile(
         name=name, path=Path(path), description=str(raw.get("description", "")), hardware=hw, min_gpus=min_gpus,
         model=model, engines=engines, default_engines=tuple(default), repeats=repeats, throughput=tp,

@@ -19,6 +19,7 @@ import pytest
 from .ab.base import ABBase
 from .ab.config import ABConfigError
 from .baselines import BaselineError, BaselineStore
+from .endpoint import Endpoint
 from .machine import gpu_info, hardware_key
 from .options import OPTION_BOUNDS, _opt
 from .profiles import Profile, ProfileError, find_profile, load_profile
@@ -44,6 +45,7 @@ class PerfSession:
     train_drafter: bool = False  # --perf-train-drafter: ignore a matching shipped drafter
     ab: ABBase | None = None  # --perf-ab: the base the ab-marked tests compare against
     history_path: Path | None = None  # baselines/history/<profile>.jsonl, None = off
+    endpoint: Endpoint | None = None  # --perf-url: an existing server is the engine under test
     results: list[dict[str, Any]] = field(default_factory=list)
     started: float = field(default_factory=time.time)
     gpus: list[dict[str, str]] = field(default_factory=list)
@@ -64,6 +66,23 @@ SESSION_KEY = pytest.StashKey[PerfSession]()
 
 def get_session(config: pytest.Config) -> PerfSession:
     return activate(config)
+
+
+def _endpoint(config: pytest.Config, engines: tuple[str, ...], profile: str) -> Endpoint | None:
+    """``--perf-url`` and its companions, checked before anything runs."""
+    from .endpoint import EndpointError, parse_endpoint
+
+    try:
+        ep = parse_endpoint(config.getoption("--perf-url"), tokenizer=config.getoption("--perf-tokenizer"),
+                            api_key_env=config.getoption("--perf-api-key-env"),
+                            served_model=config.getoption("--perf-served-model"))
+    except EndpointError as e:
+        raise pytest.UsageError(str(e)) from None
+    if ep is not None and len(engines) != 1:
+        raise pytest.UsageError(f"--perf-url {ep.url}: name the one engine of profile {profile} it runs with "
+                                f"--perf-engine NAME (its baselines are keyed by that name); selected: "
+                                f"{', '.join(engines) or 'none'}")
+    return ep
 
 
 def _build_session(config: pytest.Config) -> PerfSession:
@@ -115,6 +134,7 @@ def _build_session(config: pytest.Config) -> PerfSession:
     if hist and hist.lower() != "off":
         history_path = (Path(hist) if Path(hist).is_absolute() else rootdir / hist) / f"{profile.name}.jsonl"
         _check_writable_dir(history_path.parent, "--perf-history (ini perf_history_dir; 'off' disables it)")
+    endpoint = _endpoint(config, engines, profile.name)
     gpus = gpu_info()
     json_opt = config.getoption("--perf-json")
     if json_opt:
@@ -131,7 +151,7 @@ def _build_session(config: pytest.Config) -> PerfSession:
             raise pytest.UsageError(f"--perf-{eng}-python / KIMI_PERF_{eng.upper()}_PYTHON: {cand} does not exist")
         pythons[eng] = cand
     return PerfSession(
-        config=config, profile=profile, store=store, report_dir=report_dir,
+        endpoint=endpoint, config=config, profile=profile, store=store, report_dir=report_dir,
         repeats=repeats or profile.repeats, update=update,
         engines=engines, hardware=profile.hardware_key(hardware_key(gpus, use_gpu=profile.hardware == "cuda"), gpus),
         rootdir=rootdir,

@@ -11,7 +11,7 @@ import contextlib
 
 import pytest
 
-from kimi_perf.bench import measure, samples_of
+from kimi_perf.bench import check_errors, measure, samples_of
 from kimi_perf.keys import scenario_workload
 
 pytestmark = pytest.mark.perf
@@ -143,3 +143,51 @@ def test_decode_vs_memory_floor(perf_session, perf_server, prompt_factory, perf_
         f"decode_floor_ratio (higher is better, fraction): {perf_server.name} decodes at {med:.1%} of the "
         f"bandwidth floor ({np.median(decode):.1f} of {floor.tok_s:.1f} tok/s), below the profile's "
         f"{tp.min_floor_ratio:.0%}")
+
+
+@pytest.mark.slo
+def test_slo_knee(perf_session, perf_server, prompt_factory, perf_gate, target_model):
+    """Goodput under the profile's latency objectives across a request-rate sweep, and its knee.
+
+    Open-loop arrivals at each rate of ``throughput.slo.rates`` (gamma gaps, vLLM's ``--burstiness``;
+    Poisson by default); per rate the request goodput and the fraction of requests within every
+    objective (kimi_perf.load.slo); per repeat of the whole sweep the knee, the highest rate still
+    served within ``slo.min_attainment``. The knee is gated (higher is better); goodput and attainment
+    at every rate are reported."""
+    import numpy as np
+
+    from kimi_perf.load.client import run_workload
+    from kimi_perf.load.slo import goodput, knee
+    from kimi_perf.progress import log
+
+    tp = _spec(perf_session)
+    slo = tp.slo
+    if slo is None:
+        pytest.skip(f"profile {perf_session.profile.name} sets no throughput.slo")
+    knees: list[float] = []
+    samples: dict[str, list[float]] = {}
+    for rep in range(perf_session.repeats):
+        att: dict[float, float] = {}
+        for rate in slo.rates:
+            w = slo.workload(tp.workload, rate)
+            warm = list(prompt_factory(w, 10_000))[: w.warmup] if rep == 0 and rate == slo.rates[0] else []
+            res = run_workload(perf_server.base_url, perf_server.model, prompt_factory(w, rep), w,
+                               warmup_prompts=warm, headers=perf_server.headers)
+            check_errors(perf_server, res, f"{perf_server.name} SLO sweep at {rate:g} req/s", max_error_rate=0.5)
+            g = goodput(res.records, res.duration_s, slo)
+            att[rate] = g["slo_attainment"]
+            for k, v in (("request_goodput", g["request_goodput"]), ("slo_attainment", g["slo_attainment"]),
+                         ("ttft_ms_p90", res.metrics.get("ttft_ms_p90", float("nan"))),
+                         ("tpot_ms_p90", res.metrics.get("tpot_ms_p90", float("nan")))):
+                samples.setdefault(f"{k}@{rate:g}rps", []).append(float(v))
+            log(f"{perf_server.name} SLO sweep repeat {rep + 1}/{perf_session.repeats} at {rate:g} req/s: goodput "
+                f"{g['request_goodput']:.3f} req/s, {g['slo_attainment']:.0%} within {slo.describe()}, TTFT p90 "
+                f"{res.metrics.get('ttft_ms_p90', float('nan')):.0f} ms, TPOT p90 "
+                f"{res.metrics.get('tpot_ms_p90', float('nan')):.0f} ms")
+        knees.append(knee(att, slo.min_attainment))
+    log(f"{perf_server.name}: SLO knee {float(np.median(knees)):g} req/s (per repeat {knees}; rates "
+        f"{list(slo.rates)}, {slo.describe()}, attainment >= {slo.min_attainment:.0%})")
+    perf_gate.check(scenario="slo_knee", engine=perf_server.name, model=target_model.name,
+                    workload=scenario_workload(perf_session.profile, "slo_knee"), concurrency=slo.max_concurrency,
+                    samples={"slo_knee_rate": knees}, gated=["slo_knee_rate"], engine_version=perf_server.version,
+                    extra={"per_rate": samples, "slo": slo.describe(), "rates": list(slo.rates)})

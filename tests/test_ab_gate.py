@@ -208,22 +208,24 @@ class FakeSide:
     """A side whose server is tests/fake_server.py in 'paced' mode (tokens at a set speed, slowed by
     the planted-slowdown variable exactly as the reference engine reads it)."""
 
-    def __init__(self, role, tmp_path, plant="0", fail=False):
+    def __init__(self, role, tmp_path, plant="0", fail=False, events=None):
         from kimi_perf.launcher import LaunchSpec
 
         self.role, self.label, self.launches = role, f"fake {role}", 0
+        self.events = events if events is not None else []  # (role, cpus) per launch, shared by both sides
         mode = "exit7" if fail else "paced"
         self.spec = LaunchSpec(name=f"fake-{role}", argv_for_port=lambda p: [sys.executable, str(HERE / "fake_server.py"),
                                                                             str(p), mode],
                                env={PLANT_ENV: plant, "FAKE_TOKEN_MS": "4"}, ready_timeout_s=30, log_dir=tmp_path)
         self.proc = None
 
-    def start(self):
+    def start(self, cpus=()):
         from kimi_perf.bench import RunningServer
         from kimi_perf.launcher import ServerProcess
 
         self.launches += 1
-        self.proc = ServerProcess(self.spec, progress_every_s=60).start()
+        self.events.append((self.role, tuple(cpus)))
+        self.proc = ServerProcess(dataclasses.replace(self.spec, cpus=tuple(cpus)), progress_every_s=60).start()
         return RunningServer(self.spec.name, "fake", self.proc.base_url, "m", self.proc, None, version="fake-1")
 
     def stop(self):
@@ -248,7 +250,7 @@ def _prompts(w, i):
 def test_abba_schedule_relaunches_every_block_and_catches_a_planted_slowdown(tmp_path):
     from kimi_perf.ab.runner import run_ab
 
-    spec = ABSpec(threshold=0.05, min_blocks=3, max_blocks=6, repeats_per_block=2, relaunch=True)
+    spec = ABSpec(threshold=0.05, min_blocks=3, max_blocks=6, repeats_per_block=2, blocks_per_launch=1)
     base, cand = FakeSide("base", tmp_path), FakeSide("candidate", tmp_path, plant="0.3")
     out = run_ab(base, cand, _probes(), spec, _prompts)
     d = out.decisions[0]
@@ -288,7 +290,7 @@ def test_pairs_measured_under_host_steal_are_redone(tmp_path, monkeypatch):
         return HostCPU(total=t, steal=t // 2 if calls["n"] <= 8 else 400, idle=0)
 
     monkeypatch.setattr(runner, "host_cpu", fake_host)
-    spec = ABSpec(min_blocks=2, max_blocks=2, repeats_per_block=1, relaunch=False, max_steal=0.05, max_redo=3)
+    spec = ABSpec(min_blocks=2, max_blocks=2, repeats_per_block=1, blocks_per_launch=0, max_steal=0.05, max_redo=3)
     out = runner.run_ab(FakeSide("base", tmp_path), FakeSide("candidate", tmp_path), _probes(), spec, _prompts)
     assert sum(p.redone for p in out.pairs) >= 1
     assert len(out.pairs) == 2 and os.environ.get(PLANT_ENV) is None
@@ -326,3 +328,82 @@ def test_a_git_base_server_runs_the_worktree_code_not_the_candidates(tmp_path):
         out = ABOutcome("b", "c", ABSpec(), ())
         with pytest.raises(ABSideError, match="runs the code in"):
             _check_source(wrong, "base", type("S", (), {"label": "git:HEAD"})(), out)
+
+
+@pytest.mark.slow
+def test_launch_rounds_alternate_which_side_launches_first_and_decide_only_after_whole_abba_cycles(tmp_path):
+    """On the H200 the side launched second read ~1% faster on identical code; with the base always
+    launched first that became the verdict's bias. Launch rounds of k blocks alternate the order and
+    the comparison stops only at the end of a cycle of 2k blocks, even on a clear FAIL."""
+    from kimi_perf.ab.runner import run_ab
+
+    events: list = []
+    spec = ABSpec(threshold=0.05, min_blocks=2, max_blocks=4, repeats_per_block=1, blocks_per_launch=2)
+    base = FakeSide("base", tmp_path, events=events)
+    cand = FakeSide("candidate", tmp_path, plant="0.3", events=events)
+    out = run_ab(base, cand, _probes(), spec, _prompts)
+    assert [e[0] for e in events] == ["base", "candidate", "candidate", "base"]
+    assert out.blocks == 4 and out.decisions[0].verdict == "FAIL", out.decisions[0].message()
+    assert [p.launch for p in out.pairs] == [0, 0, 1, 1]
+    assert [x["round"] for x in out.launches] == [0, 0, 1, 1]
+    assert out.cpus == {"pinned": False, "why": "ab.pin_cpus is false"}
+
+
+def test_stop_reason_waits_for_the_end_of_a_launch_cycle():
+    from kimi_perf.ab.runner import stop_reason
+
+    fail = [_decision("FAIL")]
+    spec = ABSpec(min_blocks=2, max_blocks=6, blocks_per_launch=3)
+    assert stop_reason(fail, 3, spec, final=False) == ""  # one launch round: the order effect is in it
+    assert stop_reason(fail, 6, spec, final=False) == "a gated metric FAILED"
+    every = ABSpec(min_blocks=2, max_blocks=6, blocks_per_launch=1)
+    assert stop_reason(fail, 3, every, final=False) == "a gated metric FAILED"
+    assert (spec.launch_round(2), spec.launch_round(3), ABSpec(blocks_per_launch=0).launch_round(5)) == (0, 1, 0)
+
+
+def _decision(verdict):
+    from kimi_perf.ab.decide import ABDecision
+
+    return ABDecision("decode_tok_s", "tok/s", "higher", "single_stream", verdict, 1.0, 1.0, 1.0, 1.0, 1.0, 0.9,
+                      0.05, 3, 3, "")
+
+
+def test_launch_schedule_is_validated_and_relaunch_is_its_older_spelling():
+    assert parse_ab({"relaunch": False}, hardware="cuda").blocks_per_launch == 0
+    assert parse_ab({"relaunch": True}, hardware="cpu").relaunch is True
+    assert parse_ab({"blocks_per_launch": 3, "max_blocks": 6}, hardware="cuda").blocks_per_launch == 3
+    with pytest.raises(ABConfigError, match="multiple of 2 x 3 = 6"):
+        parse_ab({"blocks_per_launch": 3, "max_blocks": 8}, hardware="cuda")
+    with pytest.raises(ABConfigError, match="not both"):
+        parse_ab({"blocks_per_launch": 1, "relaunch": True}, hardware="cpu")
+    with pytest.raises(ABConfigError, match="blocks_per_launch: True must be an integer"):
+        parse_ab({"blocks_per_launch": True}, hardware="cpu")
+    with pytest.raises(ABConfigError, match="pin_cpus"):
+        parse_ab({"pin_cpus": "yes"}, hardware="cpu")
+
+
+def test_cpu_plan_gives_whole_cores_to_client_and_equal_shares_to_the_sides():
+    from kimi_perf.ab.pinning import plan_cpus
+
+    smt = {c: {c, c + 8} if c < 8 else {c - 8, c} for c in range(16)}  # 8 cores x 2 threads
+    p = plan_cpus(range(16), client=2, siblings=lambda c: smt[c])
+    assert p.pinned and p.client == (0, 8)
+    assert p.sides["base"] == (1, 9, 2, 10, 3, 11) and p.sides["candidate"] == (4, 12, 5, 13, 6, 14)
+    assert not set(p.client) & set(p.sides["base"]) and not set(p.sides["base"]) & set(p.sides["candidate"])
+    assert "client on CPUs 0,8" in p.describe() and p.to_json()["candidate"] == [4, 12, 5, 13, 6, 14]
+    two = plan_cpus([0, 1], client=1, siblings=lambda c: {c})
+    assert not two.pinned and "2 physical core(s) available (0-1)" in two.why
+    assert two.to_json() == {"pinned": False, "why": two.why}
+
+
+def test_a_pinned_launch_runs_the_server_on_its_cpus_only(tmp_path):
+    """The affinity is set in the child before exec: the server and every thread it starts run on
+    the plan's CPUs (read back from the kernel)."""
+    from kimi_perf.launcher import LaunchSpec, ServerProcess
+
+    cpu = max(os.sched_getaffinity(0))
+    spec = LaunchSpec(name="pinned", argv_for_port=lambda p: [sys.executable, str(HERE / "fake_server.py"), str(p),
+                                                              "paced"], ready_timeout_s=30, log_dir=tmp_path,
+                      cpus=(cpu,))
+    with ServerProcess(spec, progress_every_s=60) as proc:
+        assert os.sched_getaffinity(proc.pid) == {cpu}

@@ -55,6 +55,10 @@ def _profile_configs(kind: str):
         for name, raw in prof.engines.items():
             if raw["kind"] == kind:
                 cfgs.append(build_engine_config(name, raw, model_path="/models/m", served_model_name="m", python="py"))
+        for v in prof.variants.values():  # an A/B base renders its settings on top of its engine's
+            if v.engine is not None and prof.engines[v.engine]["kind"] == kind:
+                cfgs.append(build_engine_config(v.engine, {**prof.engines[v.engine], **dict(v.settings)},
+                                                model_path="/models/m", served_model_name="m", python="py"))
     return cfgs
 
 
@@ -79,6 +83,7 @@ def vllm_variants():
     return [*_profile_configs("vllm"),
             VLLMConfig(**base, spec=SpecConfig("/drafters/d", steps=3), per_request_spec_metrics=True),
             VLLMConfig(**base, extract_hidden_layers=(2, 15, 27, 30), extract_dir="/tmp/hs"),
+            VLLMConfig(**base, async_scheduling=False), VLLMConfig(**base, async_scheduling=True),
             VLLMConfig(**base, dtype="bfloat16", max_model_len=1024, enforce_eager=True, kv_cache_memory_bytes="128M",
                        load_format="dummy", tensor_parallel_size=2)]
 

@@ -1,5 +1,5 @@
 """scripts/setup.sh's command line: only what runs without installing anything (syntax, --help, a bad
-argument). Building the venvs is measured by hand (README, "Setup"), not here: it takes minutes and PyPI."""
+argument). Building the venvs is measured by hand (docs/results.md, "Setup"), not here: it takes minutes and PyPI."""
 
 from __future__ import annotations
 

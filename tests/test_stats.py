@@ -211,3 +211,38 @@ def test_every_verdict_carries_a_reason():
           confirm_gate(TP, [100.0] * 3, [50.0] * 3, [50.0] * 3, GateConfig()),
           ratio_interval_gate(SPEEDUP, [1.0, 1.1], [1.0, 1.0])]
     assert all(d.reason and d.reason in d.message() for d in ds)
+
+
+# -- issue 27 item 7: scipy's permutation MWU replaced the hand-written enumeration ------------------
+# p-values the hand-written exact test (itertools over every split of the pooled midranks, removed in
+# favour of scipy.stats.mannwhitneyu(method=PermutationMethod(n_resamples=inf))) gave on these cases,
+# written down as exact fractions of C(n+m, n) before it was removed; TP is higher-is-better
+_OLD_EXACT_P = [
+    ([100.0, 101.0, 102.0], [90.0, 91.0, 92.0], 1 / 20),  # 3v3 complete separation
+    ([10.0, 10.0, 11.0], [9.0, 10.0, 10.0], 3 / 10),  # 3v3 ties across the groups
+    ([10.0, 12.0, 14.0], [11.0, 13.0, 15.0], 4 / 5),  # 3v3 interleaved
+    ([5.0, 5.0, 5.0], [5.0, 5.0, 4.0], 1 / 2),  # 3v3 all tied but one
+    ([100.0] * 3, [90.0] * 5, 1 / 56),  # 3v5 separated, ties inside both
+    ([100.0] * 5, [90.0] * 3, 1 / 56),  # 5v3
+    ([7.0, 8.0, 8.0], [8.0, 6.0, 7.0, 9.0, 6.0], 11 / 28),  # 3v5 mixed ties
+    ([20.0, 21.0, 22.0, 23.0, 24.0], [10.0, 11.0, 12.0, 13.0, 14.0], 1 / 252),  # 5v5 separated
+    ([19.6, 19.9, 20.1, 18.8, 19.4], [18.9, 19.2, 19.9, 18.1, 19.0], 31 / 252),  # 5v5 overlapping, one tie
+    ([3.0, 3.0, 4.0, 4.0, 5.0], [3.0, 4.0, 4.0, 2.0, 2.0], 1 / 6),  # 5v5 many ties
+    ([5.0, 6.0, 6.0, 7.0], [6.0, 5.0, 4.0, 4.0], 1 / 10),  # 4v4 ties
+    ([10.0, 11.0, 12.0], [13.0, 14.0, 15.0], 1.0),  # current better: no evidence at all
+]
+
+
+@pytest.mark.parametrize("base,cur,p_old", _OLD_EXACT_P)
+def test_scipy_permutation_mwu_matches_the_old_exact_test(base, cur, p_old):
+    assert mwu_worse_p(TP, base, cur) == pytest.approx(p_old, rel=1e-12, abs=1e-15)
+    assert mwu_worse_p(TP, base, cur) == pytest.approx(_brute_p(base, cur), rel=1e-12)
+    # the same samples read as a lower-is-better metric mirror the badness
+    assert mwu_worse_p(LAT, [-v for v in base], [-v for v in cur]) == pytest.approx(p_old, rel=1e-12)
+
+
+def test_large_samples_use_the_normal_approximation_deterministically():
+    # 12 vs 12 is 2.7M splits, past the exact limit: the asymptotic p, the same on every call
+    base, cur = noisy(100, 0.02, 12, 1), noisy(90, 0.02, 12, 2)
+    p1, p2 = mwu_worse_p(TP, base, cur), mwu_worse_p(TP, base, cur)
+    assert p1 == p2 and 0 < p1 < 1e-4

@@ -142,3 +142,30 @@ def test_engines_do_not_import_gate_configuration():
            for m, edges in import_graph().items() if m.startswith("kimi_perf.engines")}
     bad = {m: e for m, e in bad.items() if e}
     assert not bad, f"engine modules importing gate configuration: {bad}"
+
+
+def test_each_marker_is_declared_once(pytestconfig):
+    """One marker list: the suite's markers live in kimi_perf.options.MARKERS (the plugin registers them,
+    so they exist wherever kimi-perf is installed); pyproject.toml lists only this repository's own
+    unit-test markers. Before issue 27 both declared perf/alignment/... in different words."""
+    import pytest
+
+    from kimi_perf.options import MARKERS
+
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11+")
+
+    ini = tomllib.loads((PKG.parent / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    local = {line.partition(":")[0].strip() for line in ini.get("markers", [])}
+    assert not local & set(MARKERS), f"declared both in pyproject.toml and kimi_perf/options.py: {local & set(MARKERS)}"
+    # what this session registered: every marker exactly once, the plugin's with the plugin's words
+    names = [line.partition(":")[0].strip() for line in pytestconfig.getini("markers")]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    assert not twice, f"markers registered more than once: {twice}"
+    assert {f"{n}: {d}" for n, d in MARKERS.items()} <= set(pytestconfig.getini("markers"))
+
+
+def test_no_library_module_over_800_lines():
+    """Issue 27: no library file over ~800 lines (kimi_perf/wheelhouse.py had 2,112 and ten concerns; it
+    is a package of one concern per module now). A module that grows past this wants splitting."""
+    big = {name: n for name, p in _modules().items() if (n := len(p.read_text().splitlines())) > 800}
+    assert not big, f"library modules over 800 lines: {big}"

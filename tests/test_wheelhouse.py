@@ -267,7 +267,7 @@ def test_pins_go_to_pip_as_constraints_and_missing_requirements_resolve_again(mo
             item("tomli", "2.0", requested=True),
         )
 
-    monkeypatch.setattr(wh, "pip_report", fake_pip_report)
+    monkeypatch.setattr(wh.resolve, "pip_report", fake_pip_report)  # where resolve_and_plan looks it up
     plan = wh.resolve_and_plan(
         ["engine==1.0"],
         TARGET,
@@ -294,9 +294,9 @@ def test_engine_defaults():
 
 
 def test_pip_errors_name_the_fix():
-    e = wh._pip_error("ERROR: Cannot install a and b\nResolutionImpossible: ...\n", "resolution", TARGET)
+    e = wh.resolve._pip_error("ERROR: Cannot install a and b\nResolutionImpossible: ...\n", "resolution", TARGET)
     assert "--pin NAME==VERSION" in str(e) and "--override" in str(e)
-    e = wh._pip_error("ERROR: No matching distribution found for foo==1.0\n", "resolution", TARGET)
+    e = wh.resolve._pip_error("ERROR: No matching distribution found for foo==1.0\n", "resolution", TARGET)
     assert "--platform" in str(e) and "foo==1.0" in str(e)
 
 

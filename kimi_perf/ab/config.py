@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ABConfigError", "ABSpec", "Variant", "parse_ab", "parse_variants"]
+__all__ = ["ABConfigError", "ABSpec", "Variant", "describe_launches", "parse_ab", "parse_variants"]
 
 
 class ABConfigError(ValueError):
@@ -33,7 +33,12 @@ class ABSpec:
     repeats_per_block: int = 3  # pairs per block, in ABBA order (odd: the block summary is their median)
     min_blocks: int = 3
     max_blocks: int = 8
-    relaunch: bool = True  # fresh servers every block (the launch effect is part of the noise)
+    # blocks that share one launch of each side: 1 = fresh servers every block (the launch effect is
+    # part of every block's noise); k >= 2 = launch rounds of k blocks whose launch order alternates
+    # (base first, then candidate first: ABBA over launches), decided only after whole ABBA cycles of
+    # 2k blocks, so neither side is always the one launched second; 0 = one launch per side for the
+    # whole comparison (the base launches first: an order effect cannot cancel, see docs/ab-gate.md)
+    blocks_per_launch: int = 1
     max_steal: float = 0.05  # redo a pair whose repeats saw more host steal time than this fraction
     max_redo: int = 3  # redone pairs per block before a noisy pair is accepted (and flagged)
     time_budget_s: float | None = None  # stop adding blocks after this much wall time
@@ -46,6 +51,32 @@ class ABSpec:
     top: Mapping[str, Any] = field(default_factory=dict)
     top_concurrency: int | None = None  # default: the largest of throughput.concurrency
     accept_prompts: int = 16  # held-out prompts for the accept-length A/B (each prompt is a pair)
+    # pin each side's server and the client to disjoint CPU sets (engines on a GPU box are host-CPU
+    # bound, and two servers plus the client sharing cores is a noise source); client_cpus cores go
+    # to the client, the rest is split evenly between the two sides (kimi_perf.ab.pinning)
+    pin_cpus: bool = False
+    client_cpus: int = 2
+
+    @property
+    def launch_schedule(self) -> str:
+        """The launch schedule in words, for reports."""
+        return describe_launches(self.blocks_per_launch, self.pin_cpus)
+
+    @property
+    def relaunch(self) -> bool:
+        """Whether servers are launched more than once per comparison (reports, older readers)."""
+        return self.blocks_per_launch != 0
+
+    def launch_round(self, block: int) -> int:
+        """Index of the launch round ``block`` (0-based) belongs to (0 for a single launch)."""
+        return block // self.blocks_per_launch if self.blocks_per_launch else 0
+
+    def balanced(self, blocks: int) -> bool:
+        """Whether ``blocks`` completed blocks end an ABBA launch cycle, so a launch-order effect
+        cancels in the estimate: always with fresh servers every block (launch order alternates with
+        the block) or a single launch (nothing to balance), else after 2k, 4k, ... blocks."""
+        k = self.blocks_per_launch
+        return k <= 1 or blocks % (2 * k) == 0
 
     def __post_init__(self) -> None:
         problems = []
@@ -63,10 +94,26 @@ class ABSpec:
             problems.append(f"max_redo {self.max_redo} (>= 0)")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             problems.append(f"time_budget_s {self.time_budget_s} (> 0 or null)")
+        k = self.blocks_per_launch
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            problems.append(f"blocks_per_launch {k!r} (an integer >= 0: 1 relaunches every block, 0 launches once)")
+        elif k >= 2 and (self.max_blocks % (2 * k) or self.min_blocks > self.max_blocks):
+            problems.append(f"max_blocks {self.max_blocks} with blocks_per_launch {k} (max_blocks must be a multiple "
+                            f"of 2 x {k} = {2 * k}: the comparison decides only after whole ABBA launch cycles)")
+        if isinstance(self.client_cpus, bool) or not isinstance(self.client_cpus, int) or self.client_cpus < 1:
+            problems.append(f"client_cpus {self.client_cpus!r} (an integer >= 1)")
         if self.accept_prompts < 2:
             problems.append(f"accept_prompts {self.accept_prompts} (>= 2)")
         if problems:
             raise ABConfigError("invalid " + "; ".join(problems))
+
+
+def describe_launches(blocks_per_launch: int, pin_cpus: bool = False) -> str:
+    """``ABSpec.blocks_per_launch`` in words (also for stored power-study entries)."""
+    k = blocks_per_launch
+    what = ("one launch per side (base first)" if k == 0 else "fresh servers every block" if k == 1
+            else f"launch rounds of {k} blocks in ABBA order")
+    return what + (", CPUs pinned" if pin_cpus else "")
 
 
 _WORKLOAD_OVERRIDES = {"num_prompts", "output_len", "input_len", "warmup"}
@@ -75,7 +122,7 @@ _WORKLOAD_OVERRIDES = {"num_prompts", "output_len", "input_len", "warmup"}
 def parse_ab(raw: Mapping[str, Any] | None, *, hardware: str) -> ABSpec:
     """The profile's ``ab`` section (missing: the defaults for its hardware, GPU threshold 2.5%)."""
     raw = dict(raw or {})
-    fields = set(ABSpec.__dataclass_fields__)
+    fields = set(ABSpec.__dataclass_fields__) | {"relaunch"}
     unknown = set(raw) - fields
     if unknown:
         raise ABConfigError(f"unknown key(s) {sorted(unknown)}; allowed: {sorted(fields)}")
@@ -94,11 +141,20 @@ def parse_ab(raw: Mapping[str, Any] | None, *, hardware: str) -> ABSpec:
                                 'e.g. {"single_stream": ["decode_tok_s"], "top": ["output_throughput"]}')
         raw["gated"] = {k: tuple(v) for k, v in g.items()}
     raw.setdefault("threshold", 0.025 if hardware == "cuda" else 0.05)
-    for k in ("repeats_per_block", "min_blocks", "max_blocks", "max_redo", "accept_prompts", "top_concurrency"):
+    if "relaunch" in raw:  # the older spelling: true = every block, false = once
+        if "blocks_per_launch" in raw:
+            raise ABConfigError("give blocks_per_launch or relaunch (its older spelling), not both")
+        r = raw.pop("relaunch")
+        if not isinstance(r, bool):
+            raise ABConfigError(f"relaunch: {r!r} must be true (fresh servers every block) or false; "
+                                "blocks_per_launch (an integer) says more")
+        raw["blocks_per_launch"] = 1 if r else 0
+    for k in ("repeats_per_block", "min_blocks", "max_blocks", "max_redo", "accept_prompts", "top_concurrency",
+              "blocks_per_launch", "client_cpus"):
         if k in raw and raw[k] is not None and (isinstance(raw[k], bool) or not isinstance(raw[k], int)):
             raise ABConfigError(f"{k}: {raw[k]!r} must be an integer")
-    if "relaunch" in raw and not isinstance(raw["relaunch"], bool):
-        raise ABConfigError(f"relaunch: {raw['relaunch']!r} must be true (fresh servers every block) or false")
+    if "pin_cpus" in raw and not isinstance(raw["pin_cpus"], bool):
+        raise ABConfigError(f"pin_cpus: {raw['pin_cpus']!r} must be true or false")
     try:
         return ABSpec(**raw)
     except TypeError as e:

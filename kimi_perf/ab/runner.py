@@ -4,9 +4,16 @@ Why interleave instead of "measure A, then measure B": the noise of a shared mac
 stretches (a neighbour's burst, a stalled vCPU for a few repeats, a slower host for the whole job), and
 a comparison of two stretches measures the machine, not the change. Here every pair is two adjacent
 repeats with identical prompts, one per side, and the side that goes first alternates (ABBA), so a
-drift inside a block cancels in its mean. Servers are launched afresh every block when the profile says
-so (``ab.relaunch``): a launch has its own luck (memory layout, thread placement) that stays with the
-server, so a single launch per side is a persistent bias no number of repeats can average away.
+drift inside a block cancels in its mean. Servers are launched afresh every ``ab.blocks_per_launch``
+blocks: a launch has its own luck (memory layout, thread placement) that stays with the server, so a
+single launch per side is a persistent bias no number of repeats can average away. The launch order
+alternates too (base first in round 0, candidate first in round 1, ...): on the H200 the side launched
+second read ~1% faster on identical code, and a schedule where the base always launches first turns
+that into a bias of the verdict. With launch rounds of several blocks the comparison stops only after
+whole ABBA launch cycles (:meth:`ABSpec.balanced`), so the order effect cancels in the estimate.
+
+With ``ab.pin_cpus`` each side's server and the client run on disjoint CPU sets
+(:mod:`kimi_perf.ab.pinning`), recorded with the launches.
 
 The runner owns only the schedule; starting and stopping servers, making prompts and deciding are
 given to it (:class:`Side`, ``prompts_for``, :func:`kimi_perf.ab.decide.decide`), so the pytest tests
@@ -35,6 +42,7 @@ from ..procstat import ProcessTreeCPU, host_cpu
 from ..progress import log
 from .config import ABSpec
 from .decide import ABDecision, decide, log_ratio
+from .pinning import CPUPlan, plan_cpus
 
 __all__ = ["ABOutcome", "ABSideError", "PairRecord", "Probe", "Side", "measure_repeat", "run_ab", "run_ab_prompts", "stop_reason"]
 
@@ -45,7 +53,8 @@ class Side(Protocol):
     role: str  # "base" | "candidate"
     label: str  # what it is, for messages: "git:HEAD~1 (abc1234)", "reference (this checkout)"
 
-    def start(self) -> RunningServer: ...
+    def start(self, cpus: tuple[int, ...] = ()) -> RunningServer:
+        """Launch the side's server (on the CPUs ``cpus`` when not empty)."""
 
     def stop(self) -> None: ...
 
@@ -69,6 +78,7 @@ class PairRecord:
     base: dict[str, float]
     candidate: dict[str, float]
     redone: int = 0  # times this pair was measured again for host steal time
+    launch: int = 0  # the launch round the pair's servers came from (ABSpec.launch_round)
 
 
 @dataclass
@@ -87,6 +97,7 @@ class ABOutcome:
     wall_s: float = 0.0
     stopped: str = ""
     error: str | None = None
+    cpus: dict[str, Any] = field(default_factory=dict)  # the CPU plan (pinning) or why there is none
 
     @property
     def verdicts(self) -> dict[str, str]:
@@ -109,7 +120,7 @@ class ABOutcome:
             "probes": [{"name": p.name, "workload": p.workload.to_dict(), "gated": list(p.gated)} for p in self.probes],
             "pairs": [asdict(p) for p in self.pairs], "decisions": [asdict(d) for d in self.decisions],
             "launches": self.launches, "versions": self.versions, "blocks": self.blocks,
-            "wall_s": self.wall_s, "stopped": self.stopped, "error": self.error,
+            "wall_s": self.wall_s, "stopped": self.stopped, "error": self.error, "cpus": self.cpus,
         }
 
 
@@ -145,7 +156,7 @@ def measure_repeat(server: RunningServer, workload: Workload, prompts: Sequence[
             pgid = None
     cpu = ProcessTreeCPU.begin(pgid) if pgid is not None else None
     h0 = host_cpu()
-    res = run_workload(server.base_url, server.model, prompts, workload, warmup_prompts=[])
+    res = run_workload(server.base_url, server.model, prompts, workload, warmup_prompts=[], headers=server.headers)
     h1 = host_cpu()
     cpu_s = cpu.elapsed() if cpu is not None else None
     # a stray failed stream among a C=128 batch (e.g. random-weight output that detokenises to no
@@ -169,11 +180,16 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
     sides = {"base": base, "candidate": candidate}
     running: dict[str, RunningServer] = {}
     pair_serial = 0
+    plan = plan_cpus(sorted(os.sched_getaffinity(0)), client=spec.client_cpus) if spec.pin_cpus else None
+    out.cpus = plan.to_json() if plan is not None else {"pinned": False, "why": "ab.pin_cpus is false"}
+    if plan is not None:
+        log(f"A/B CPU pinning: {plan.describe()}")
 
     def launch(role: str, block: int) -> None:
         t = time.monotonic()
+        cpus = plan.sides[role] if plan is not None and plan.pinned else ()
         try:
-            srv = sides[role].start()
+            srv = sides[role].start(cpus) if cpus else sides[role].start()
         except (ServerError, BenchFailure) as e:
             out.error = f"{role} did not start: {e}"
             raise ABSideError(role, sides[role].label, f"server did not start: {e}", _FIX[role], out) from None
@@ -181,7 +197,8 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
         out.versions[role] = srv.version
         _check_source(srv, role, sides[role], out)
         ready = getattr(srv.process, "ready_s", None)
-        out.launches.append({"role": role, "block": block, "ready_s": ready, "wall_s": time.monotonic() - t})
+        out.launches.append({"role": role, "block": block, "round": spec.launch_round(block), "ready_s": ready,
+                             "wall_s": time.monotonic() - t, "cpus": list(cpus)})
         for p in probes:  # first-use costs (allocator growth, kernel selection) stay out of the pairs
             # one full batch of short requests: the probe's prefill and decode shapes, a few seconds
             warm_w = replace(p.workload, num_prompts=p.workload.concurrency, output_len=min(8, p.workload.output_len))
@@ -204,12 +221,15 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
             out.error = f"{role} failed during measurement: {e}"
             raise ABSideError(role, sides[role].label, f"requests failed: {e}", _FIX[role], out) from None
 
+    client_affinity = _pin_client(plan)
     try:
         for b in range(spec.max_blocks):
             order = ("base", "candidate") if b % 2 == 0 else ("candidate", "base")
-            if spec.relaunch or b == 0:
+            rnd = spec.launch_round(b)
+            if b == 0 or (spec.blocks_per_launch and b % spec.blocks_per_launch == 0):
                 stop_all()
-                for role in order:  # alternate which side launches first, too
+                # alternate which side launches first, round by round (ABBA over launches)
+                for role in (("base", "candidate") if rnd % 2 == 0 else ("candidate", "base")):
                     launch(role, b)
             redo_left = spec.max_redo
             for i in range(spec.repeats_per_block):
@@ -227,14 +247,16 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
                         redone += 1
                         log(f"A/B block {b + 1} pair {i + 1} {probe.name}: host steal {steal:.1%} > "
                             f"{spec.max_steal:.0%} (ab.max_steal): measuring the pair again")
-                    out.pairs.append(PairRecord(b, i, probe.name, first, r["base"], r["candidate"], redone))
+                    out.pairs.append(PairRecord(b, i, probe.name, first, r["base"], r["candidate"], redone, rnd))
                     pair_serial += 1
                     log(f"A/B block {b + 1}/{spec.max_blocks} pair {i + 1}/{spec.repeats_per_block} {probe.name}: "
                         + ", ".join(f"{m} base {r['base'].get(m, float('nan')):.4g} candidate "
                                     f"{r['candidate'].get(m, float('nan')):.4g}" for m in probe.gated)
                         + f" ({time.monotonic() - t0:.0f}s)")
             out.blocks = b + 1
-            final = b + 1 >= spec.max_blocks or (spec.time_budget_s is not None
+            # a spent time budget ends the comparison where an ABBA launch cycle ends (at most k - 1
+            # blocks later), so the last verdict is not left to the launch order either
+            final = b + 1 >= spec.max_blocks or (spec.time_budget_s is not None and spec.balanced(b + 1)
                                                  and time.monotonic() - t0 >= spec.time_budget_s)
             out.decisions = _decide_all(out, family, final=final)
             out.wall_s = time.monotonic() - t0
@@ -249,8 +271,24 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
             out.decisions = _decide_all(out, family, final=True)
     finally:
         stop_all()
+        _unpin_client(client_affinity)
         out.wall_s = time.monotonic() - t0
     return out
+
+
+def _pin_client(plan: CPUPlan | None) -> set[int] | None:
+    """Move the measuring thread (the client's event loop runs in it) onto the plan's client CPUs;
+    returns the affinity to restore, None when nothing was changed."""
+    if plan is None or not plan.pinned:
+        return None
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, plan.client)
+    return before
+
+
+def _unpin_client(before: set[int] | None) -> None:
+    if before is not None:
+        os.sched_setaffinity(0, before)
 
 
 def _check_source(srv: RunningServer, role: str, side: Side, out: ABOutcome) -> None:
@@ -324,8 +362,10 @@ def run_ab_prompts(base: Side, candidate: Side, prompts: Sequence[Sequence[int]]
 def stop_reason(decisions: Sequence[ABDecision], blocks: int, spec: ABSpec, *, final: bool,
                 time_spent: bool = False) -> str:
     """Why the comparison stops after ``blocks`` blocks ("" = measure another block). One FAIL is
-    enough for a merge gate; a PASS needs every metric decided."""
-    if blocks >= spec.min_blocks:
+    enough for a merge gate; a PASS needs every metric decided. With launch rounds of several blocks
+    a verdict is reached only at the end of an ABBA launch cycle (``spec.balanced``): stopping after
+    the first round would keep whatever the launch order did to it."""
+    if blocks >= spec.min_blocks and spec.balanced(blocks):
         if any(d.verdict == "FAIL" for d in decisions):
             return "a gated metric FAILED"
         if all(d.verdict == "PASS" for d in decisions):

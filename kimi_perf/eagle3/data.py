@@ -9,7 +9,12 @@ already made.
 
 Multi-turn items (turn t > 1) are conditioned on the *regenerated* greedy responses of their earlier
 turns, so each waits for its own conversation's earlier turns -- and only for those: the engine keeps
-a full batch instead of draining at every turn boundary.
+a full batch instead of draining at every turn boundary. Sampled variants of turn t (seeded, at the
+recipe's temperatures) are conditioned on the same greedy earlier answers.
+
+Sources (``DataConfig.sources``, loaders in :mod:`kimi_perf.data`): ``mtbench``, ``sharegpt`` (FastChat's
+500-conversation sample), ``sharegpt-v3`` (16,318 real ShareGPT V3 conversations with all their user
+turns: the multi-turn source at scale) and ``instructlab`` (24,542 single-turn synthetic prompts).
 """
 
 from __future__ import annotations
@@ -18,15 +23,16 @@ import asyncio
 import hashlib
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..data import Conversation, load_instructlab, load_mtbench, load_sharegpt, stable_split
+from ..data import Conversation, load_instructlab, load_mtbench, load_sharegpt, load_sharegpt_v3, stable_split
 from ..progress import log
 
-__all__ = ["FOLLOWUPS", "DataConfig", "PromptItem", "Sample", "build_items", "generate_samples", "read_samples"]
+__all__ = ["FOLLOWUPS", "DataConfig", "Generate", "PromptItem", "Sample", "build_items", "generate_samples", "read_samples",
+           "sampling_params"]
 
 
 @dataclass(frozen=True)
@@ -49,18 +55,32 @@ class DataConfig:
     # own regenerated earlier replies -- more assistant tokens per prompt, in the long-context, multi-turn
     # positions MT-bench's second turns evaluate
     followups: int = 0
+    # temperatures of the sampled variants: variant j > 0 is sampled at sample_temperatures[(j - 1) % n],
+    # e.g. (0.7, 0.8, 0.9, 1.0) to spread a recipe's data over the temperatures serving uses; empty: every
+    # variant at sample_temperature. Fixed per variant number (not spread over responses_per_prompt), so
+    # growing responses_per_prompt keeps every stored sample's temperature.
+    sample_temperatures: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if any(t <= 0 for t in self.sample_temperatures):
+            raise ValueError(f"sample_temperatures {self.sample_temperatures}: each must be > 0 "
+                             "(greedy is variant 0, always generated)")
 
     def digest(self) -> str:
         """Identity of the selected dataset (which items, how generated)."""
         d = asdict(self)
-        if d["followups"] == 0:
-            d.pop("followups")  # added later: configs without it keep their digest (and cached drafters)
+        # added later: configs without them keep their digest (and cached and shipped drafters)
+        for key, default in (("followups", 0), ("sample_temperatures", ())):
+            if d[key] == default:
+                d.pop(key)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
     def generation_digest(self) -> str:
         """Identity of *how* a sample is generated. Samples are stored under this key, so growing or
         shrinking the selection (sources, caps, variants) reuses every sample already made."""
         d = {k: getattr(self, k) for k in ("max_new_tokens", "max_prompt_tokens", "sample_temperature")}
+        if self.sample_temperatures:
+            d["sample_temperatures"] = list(self.sample_temperatures)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -106,8 +126,10 @@ def _conversations(sources: Sequence[str]) -> list[Conversation]:
                     out.append(c)
         elif src == "instructlab":
             out += load_instructlab()
+        elif src == "sharegpt-v3":
+            out += load_sharegpt_v3()  # real multi-turn chat: every user turn becomes an item
         else:
-            raise ValueError(f"unknown data source {src!r}: use mtbench, sharegpt or instructlab")
+            raise ValueError(f"unknown data source {src!r}: use mtbench, sharegpt, sharegpt-v3 or instructlab")
     return out
 
 
@@ -214,10 +236,23 @@ def _prompt_ids(tokenizer: Any, item: PromptItem, replies: list[str], max_prompt
     return None if len(ids) > max_prompt_tokens else ids
 
 
-async def _generate_one(session: Any, url: str, ids: list[int], cfg: DataConfig, variant: int) -> tuple[list[int], str | None]:
+def sampling_params(cfg: DataConfig, variant: int) -> dict[str, Any]:
+    """SGLang-style sampling parameters of one item: greedy for variant 0, else the recipe's temperature
+    for that variant (``sample_temperatures``, else ``sample_temperature``) with the variant number as
+    seed (reproducible sampled responses)."""
     sp: dict[str, Any] = {"max_new_tokens": cfg.max_new_tokens, "temperature": 0.0}
     if variant:
-        sp.update(temperature=cfg.sample_temperature, sampling_seed=variant)
+        temps = cfg.sample_temperatures
+        sp.update(temperature=temps[(variant - 1) % len(temps)] if temps else cfg.sample_temperature,
+                  sampling_seed=variant)
+    return sp
+
+
+# generate(prompt ids, sampling params) -> (response ids, finish reason): what one item needs of an engine
+Generate = Callable[[list[int], dict[str, Any]], Awaitable[tuple[list[int], str | None]]]
+
+
+async def _generate_one(session: Any, url: str, ids: list[int], sp: dict[str, Any]) -> tuple[list[int], str | None]:
     async with session.post(url, json={"input_ids": ids, "sampling_params": sp}) as r:
         body = await r.text()
         if r.status != 200:
@@ -228,37 +263,48 @@ async def _generate_one(session: Any, url: str, ids: list[int], cfg: DataConfig,
 
 
 def generate_samples(
-    base_url: str | Callable[[], str],
+    base_url: str | Callable[[], str] | None,
     tokenizer: Any,
     items: Sequence[PromptItem],
     out_path: Path,
     cfg: DataConfig,
     *,
     decode: Callable[[list[int]], str] | None = None,
+    generate: Generate | None = None,
 ) -> dict[str, Sample]:
     """Generate the missing samples through ``base_url``'s SGLang-style ``/generate``; return all.
-    ``base_url`` may be a callable, called only when something is missing (it may start a server)."""
+    ``base_url`` may be a callable, called only when something is missing (it may start a server).
+    ``generate`` replaces the HTTP call (``base_url`` is then unused): an in-process engine, or a test's
+    scripted generator. Either way turn t of a conversation is asked with the target's own greedy
+    answers to turns 1..t-1 in its prompt, so every turn is regenerated by the target."""
     done = read_samples(out_path)
     decode = decode or (lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     todo = [i for i in items if i.id not in done]
     if not todo:
         log(f"drafter data: all {len(items)} samples present in {out_path}")
         return {i.id: done[i.id] for i in items if i.id in done}
-    if callable(base_url):
+    if generate is None and callable(base_url):
         base_url = base_url()
-    log(f"drafter data: {len(done)} samples reused, {len(todo)} to generate via {base_url} -> {out_path}")
+    via = base_url if generate is None else getattr(generate, "__qualname__", "a generator")
+    log(f"drafter data: {len(done)} samples reused, {len(todo)} to generate via {via} -> {out_path}")
 
     async def run() -> None:
+        import contextlib
         import time
 
-        import aiohttp
-
-        url = str(base_url).rstrip("/") + "/generate"
         app = _Appender(out_path)
         t0 = time.monotonic()
         made = 0
+        gen = generate
         try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+            async with contextlib.AsyncExitStack() as stack:
+                if gen is None:
+                    import aiohttp
+
+                    url = str(base_url).rstrip("/") + "/generate"
+                    session = await stack.enter_async_context(
+                        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)))
+                    gen = lambda ids, sp: _generate_one(session, url, ids, sp)  # noqa: E731
                 sem = asyncio.Semaphore(cfg.concurrency)
                 # Set when an item's sample is stored (or the item is skipped). A follow-up turn waits
                 # only for its own conversation's earlier greedy turns, not for every earlier turn:
@@ -281,7 +327,7 @@ def generate_samples(
                         if ids is None:
                             return
                         async with sem:
-                            out, fr = await _generate_one(session, url, ids, cfg, item.variant)
+                            out, fr = await gen(ids, sampling_params(cfg, item.variant))
                         s = Sample(id=item.id, source=item.source, split=item.split, prompt_ids=ids,
                                    response_ids=out, finish_reason=fr)
                         app.add(s)

@@ -46,6 +46,9 @@ class EngineConfig(abc.ABC):
     env: tuple[tuple[str, str], ...] = ()
     ready_timeout_s: float = 600.0
     health_path: str = "/health"
+    # CPU affinity of the server process tree, () = inherited. Set by the A/B runner's CPU plan
+    # (ab.pin_cpus), never from a profile: which cores exist is the runner's, not the profile's
+    cpus: tuple[int, ...] = ()
 
     @abc.abstractmethod
     def argv(self, port: int) -> list[str]:
@@ -56,10 +59,12 @@ class EngineConfig(abc.ABC):
 
     def launch_spec(self, log_dir: Path) -> LaunchSpec:
         return LaunchSpec(name=self.name, argv_for_port=self.argv, env=self.environ(), host=self.host,
-                          health_path=self.health_path, ready_timeout_s=self.ready_timeout_s, log_dir=log_dir)
+                          health_path=self.health_path, ready_timeout_s=self.ready_timeout_s, log_dir=log_dir,
+                          cpus=self.cpus)
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "name": self.name, "argv": self.argv(0), "env": self.environ()}
+        d = {"kind": self.kind, "name": self.name, "argv": self.argv(0), "env": self.environ()}
+        return {**d, "cpus": list(self.cpus)} if self.cpus else d
 
 
 @dataclass(frozen=True)

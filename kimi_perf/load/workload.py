@@ -33,8 +33,12 @@ class Workload:
     ignore_eos: bool = True
     temperature: float = 0.0
     request_timeout_s: float = 300.0
-    # open-loop arrivals are possible but the gates use closed-loop (rate = inf) runs
+    # open-loop arrivals (req/s): inter-arrival times drawn from a gamma distribution with shape
+    # ``burstiness`` and mean 1 / request_rate, vLLM's definition (burstiness 1 = a Poisson process,
+    # below 1 burstier, above 1 more regular); inf = closed loop, what the throughput gates use.
+    # ``concurrency`` still caps the requests in flight (vLLM's --max-concurrency)
     request_rate: float = float("inf")
+    burstiness: float = 1.0
     extra: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -48,6 +52,10 @@ class Workload:
             problems.append(f"warmup={self.warmup} (must be >= 0)")
         if self.temperature < 0:
             problems.append(f"temperature={self.temperature} (must be >= 0)")
+        if not self.request_rate > 0:
+            problems.append(f"request_rate={self.request_rate} (req/s, must be > 0; inf = closed loop)")
+        if not (0 < self.burstiness < float("inf")):
+            problems.append(f"burstiness={self.burstiness} (gamma shape, must be > 0; 1 = Poisson)")
         if problems:
             raise ValueError(f"workload {self.name!r}: invalid " + "; ".join(problems))
 
@@ -80,5 +88,7 @@ class Workload:
         d = self.to_dict()
         for k in ("concurrency", "request_timeout_s", "name"):
             d.pop(k)
+        if d["burstiness"] == 1.0:  # added later: keys of workloads that do not set it stay as stored
+            d.pop("burstiness")
         digest = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:8]
         return f"{self.name}-{digest}"

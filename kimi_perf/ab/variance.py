@@ -1,0 +1,146 @@
+"""Where the A/B gate's noise comes from: variance components and the A/A bias of recorded trials.
+
+Why: the sizes of a probe (requests per repeat, pairs per block, blocks per launch) trade wall time
+against noise, and which trade pays depends on *where* the noise is. A pair's log ratio
+``log(candidate / base)`` varies
+
+- between the pairs of one block (a repeat's own noise: too short a repeat, a stall),
+- between the blocks of one launch (drift over minutes),
+- between launch rounds of one trial (the launch effect: memory layout, thread placement),
+- between trials (jobs: the host, the GPU's clocks that day).
+
+A probe whose noise is within the pair needs longer repeats; one whose noise is between launches
+needs more launches, and no number of repeats helps. The estimates are the classical nested-ANOVA
+moment estimators computed level by level on group means (each level's spread of means, less what
+the level below contributes through the average group size); with unbalanced groups they are
+approximate, and a negative estimate (the level adds nothing measurable) is reported as 0 with its
+raw value. A hand-written estimator because the design is small and nested and the one maintained
+implementation (statsmodels' MixedLM) is not a dependency of the suite; scipy has none.
+
+The A/A bias is what identical code measures as a change: the mean over A/A trials of each trial's
+estimate (the mean of its block medians, the gate's own estimator), with a t interval over trials --
+trials are independent jobs, blocks of one trial are not. The *second-launch effect* compares, within
+trials that launched in both orders, blocks whose candidate launched second with blocks whose base
+did: on identical code it is the advantage of being launched second.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["aa_bias", "pair_log_ratios", "second_launch_effect", "variance_components"]
+
+LEVELS = ("trial", "launch", "block")
+
+
+def pair_log_ratios(trials: Sequence[Mapping[str, Any]], probe: str, metric: str) -> list[dict[str, Any]]:
+    """One row per finite pair: trial index, launch round, block, log(candidate / base) and who launched
+    second in that round (trials recorded before launch rounds existed are round 0, base first)."""
+    rows = []
+    for ti, t in enumerate(trials):
+        for p in t.get("pairs", []):
+            if p.get("probe") != probe:
+                continue
+            b, c = p.get(f"base_{metric}"), p.get(f"candidate_{metric}")
+            if b is None or c is None or not (b > 0 and c > 0 and math.isfinite(b) and math.isfinite(c)):
+                continue
+            rnd = int(p.get("launch", 0))
+            rows.append({"trial": ti, "launch": rnd, "block": int(p["block"]), "y": math.log(c / b),
+                         "second": "candidate" if rnd % 2 == 0 else "base"})
+    return rows
+
+
+def _groups(rows: Sequence[Mapping[str, Any]], depth: int) -> dict[tuple[int, ...], list[float]]:
+    out: dict[tuple[int, ...], list[float]] = {}
+    for r in rows:
+        out.setdefault(tuple(r[k] for k in LEVELS[:depth]), []).append(float(r["y"]))
+    return out
+
+
+def variance_components(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Nested moment estimates of the variance of a pair's log ratio at each level (see module doc).
+
+    Returns ``{"levels": {name: {"var", "sd", "raw", "groups", "confounded"?}}, "total_var", "pairs"}``;
+    ``sd`` is in log units (0.01 ~ 1%). A level with one group per parent everywhere (one launch per
+    trial, say) cannot be told apart from the level above and is marked confounded."""
+    if len(rows) < 2:
+        return {"pairs": len(rows), "levels": {}, "why": "fewer than two pairs"}
+    levels: dict[str, dict[str, Any]] = {}
+    # pair level: pooled spread of pairs around their block mean
+    blocks = _groups(rows, 3)
+    ss = sum(float(np.sum((np.asarray(v) - np.mean(v)) ** 2)) for v in blocks.values())
+    df = sum(len(v) - 1 for v in blocks.values())
+    s2_below = ss / df if df > 0 else float("nan")
+    levels["pair"] = {"var": s2_below, "sd": math.sqrt(s2_below) if s2_below >= 0 else float("nan"),
+                      "raw": s2_below, "groups": len(rows)}
+    # each higher level: spread of the lower level's group means around this level's group means
+    lower_means = {k: float(np.mean(v)) for k, v in blocks.items()}
+    lower_size = float(np.mean([len(v) for v in blocks.values()]))
+    s2_lower_means = s2_below  # the variance the lower level's means carry from below, per unit of size
+    for depth, name in ((2, "block"), (1, "launch"), (0, "trial")):
+        parents: dict[tuple[int, ...], list[float]] = {}
+        for k, m in lower_means.items():
+            parents.setdefault(k[:depth], []).append(m)
+        df = sum(len(v) - 1 for v in parents.values())
+        if df <= 0:
+            levels[name] = {"var": float("nan"), "sd": float("nan"), "raw": float("nan"),
+                            "groups": len(lower_means), "confounded": True}
+        else:
+            ss = sum(float(np.sum((np.asarray(v) - np.mean(v)) ** 2)) for v in parents.values())
+            s2_means = ss / df
+            raw = s2_means - s2_lower_means / lower_size
+            levels[name] = {"var": max(raw, 0.0), "sd": math.sqrt(max(raw, 0.0)), "raw": raw,
+                            "groups": len(lower_means)}
+            s2_lower_means = s2_means
+        lower_size = float(np.mean([len(v) for v in parents.values()]))
+        lower_means = {k: float(np.mean(v)) for k, v in parents.items()}
+    total = sum(v["var"] for v in levels.values() if math.isfinite(v["var"]))
+    return {"pairs": len(rows), "levels": levels, "total_var": total}
+
+
+def _t_interval(values: Sequence[float], level: float = 0.95) -> dict[str, Any]:
+    from scipy.stats import t as student_t
+
+    v = [x for x in values if math.isfinite(x)]
+    if len(v) < 2:
+        return {"n": len(v), "why": "fewer than two trials"}
+    m = float(np.mean(v))
+    half = float(student_t.ppf(0.5 + level / 2, len(v) - 1)) * float(np.std(v, ddof=1)) / math.sqrt(len(v))
+    return {"n": len(v), "ratio": math.exp(m), "lo": math.exp(m - half), "hi": math.exp(m + half), "level": level}
+
+
+def aa_bias(rows: Sequence[Mapping[str, Any]], *, tolerance: float = 0.005, level: float = 0.95) -> dict[str, Any]:
+    """Pooled A/A ratio over trials (each trial: the mean of its block medians) with a t interval, and
+    whether the interval contains 1 and lies within ``1 +- tolerance``."""
+    per_trial: dict[int, dict[int, list[float]]] = {}
+    for r in rows:
+        per_trial.setdefault(r["trial"], {}).setdefault(r["block"], []).append(float(r["y"]))
+    est = [float(np.mean([np.median(b) for b in t.values()])) for t in per_trial.values()]
+    out = _t_interval(est, level)
+    if "ratio" in out:
+        out["contains_1"] = out["lo"] <= 1.0 <= out["hi"]
+        out["within_tolerance"] = 1 - tolerance <= out["lo"] and out["hi"] <= 1 + tolerance
+        out["tolerance"] = tolerance
+    return out
+
+
+def second_launch_effect(rows: Sequence[Mapping[str, Any]], *, level: float = 0.95) -> dict[str, Any]:
+    """How much faster a side reads when it was launched second: per trial with both launch orders,
+    half the difference between its blocks where the candidate launched second and those where the
+    base did (log units), pooled over trials with a t interval; as a ratio (1.01 = 1% faster)."""
+    per_trial: dict[int, dict[str, list[float]]] = {}
+    blocks: dict[tuple[int, int], list[float]] = {}
+    for r in rows:
+        blocks.setdefault((r["trial"], r["block"]), []).append(float(r["y"]))
+        per_trial.setdefault(r["trial"], {"candidate": [], "base": []})
+    seconds = {(r["trial"], r["block"]): r["second"] for r in rows}
+    for (t, b), ys in blocks.items():
+        per_trial[t][seconds[(t, b)]].append(float(np.median(ys)))
+    diffs = [(np.mean(v["candidate"]) - np.mean(v["base"])) / 2 for v in per_trial.values() if v["candidate"] and v["base"]]
+    if not diffs:
+        return {"n": 0, "why": "no trial launched in both orders (blocks_per_launch 0, or a single round)"}
+    return _t_interval([float(d) for d in diffs], level)

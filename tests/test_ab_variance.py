@@ -1,0 +1,89 @@
+"""Variance components and A/A bias of recorded A/B trials (kimi_perf.ab.variance), checked on
+synthetic trials whose components are known, and as the power study reports them."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kimi_perf.ab.variance import aa_bias, pair_log_ratios, second_launch_effect, variance_components
+
+
+def _trials(n_trials=40, rounds=2, blocks=3, pairs=3, sd_pair=0.02, sd_block=0.01, sd_launch=0.03, sd_trial=0.0,
+            second=0.0, shift=0.0, seed=0):
+    """Trials in the power study's record format; ``second`` is added (log units) to the candidate
+    when it was launched second, subtracted when the base was."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n_trials):
+        t_eff = sd_trial * rng.standard_normal()
+        prs = []
+        for r in range(rounds):
+            l_eff = sd_launch * rng.standard_normal() + (second if r % 2 == 0 else -second)
+            for b in range(blocks):
+                b_eff = sd_block * rng.standard_normal()
+                for _ in range(pairs):
+                    y = shift + t_eff + l_eff + b_eff + sd_pair * rng.standard_normal()
+                    prs.append({"block": r * blocks + b, "launch": r, "probe": "c128",
+                                "base_steady_output_throughput": 1000.0,
+                                "candidate_steady_output_throughput": 1000.0 * math.exp(y)})
+        out.append({"pairs": prs})
+    return out
+
+
+def test_components_recover_the_levels_that_made_the_data():
+    rows = pair_log_ratios(_trials(sd_trial=0.015), "c128", "steady_output_throughput")
+    vc = variance_components(rows)["levels"]
+    assert vc["pair"]["sd"] == pytest.approx(0.02, rel=0.1)
+    assert vc["block"]["sd"] == pytest.approx(0.01, abs=0.005)
+    assert vc["launch"]["sd"] == pytest.approx(0.03, rel=0.25)
+    assert vc["trial"]["sd"] == pytest.approx(0.015, abs=0.01)
+
+
+def test_one_block_per_launch_confounds_the_block_and_launch_levels():
+    rows = pair_log_ratios(_trials(rounds=4, blocks=1), "c128", "steady_output_throughput")
+    vc = variance_components(rows)["levels"]
+    assert vc["block"]["confounded"] and not vc["launch"].get("confounded")
+    assert variance_components(rows[:1]) == {"pairs": 1, "levels": {}, "why": "fewer than two pairs"}
+
+
+def test_aa_bias_interval_is_over_trials_and_checks_the_half_percent_band():
+    fine = aa_bias(pair_log_ratios(_trials(sd_launch=0.002, sd_block=0.002, sd_pair=0.005), "c128",
+                                   "steady_output_throughput"))
+    assert fine["contains_1"] and fine["within_tolerance"] and fine["n"] == 40
+    biased = aa_bias(pair_log_ratios(_trials(shift=math.log(1.012), sd_launch=0.002), "c128",
+                                     "steady_output_throughput"))
+    assert not biased["contains_1"] and biased["ratio"] == pytest.approx(1.012, abs=0.004)
+
+
+def test_second_launch_effect_is_seen_only_where_both_orders_were_launched():
+    rows = pair_log_ratios(_trials(second=math.log(1.01), sd_launch=0.004), "c128", "steady_output_throughput")
+    eff = second_launch_effect(rows)
+    assert eff["ratio"] == pytest.approx(1.01, abs=0.003) and eff["lo"] > 1.0
+    # balanced rounds: the effect cancels in the pooled A/A ratio
+    assert aa_bias(rows)["contains_1"]
+    one = pair_log_ratios(_trials(rounds=1), "c128", "steady_output_throughput")
+    assert second_launch_effect(one)["n"] == 0
+
+
+def test_the_power_summary_and_table_carry_bias_and_components():
+    from kimi_perf.ab.config import ABSpec
+    from kimi_perf.ab.runner import Probe
+    from kimi_perf.power import markdown, summarize
+
+    spec = ABSpec(threshold=0.025, alpha=0.1, repeats_per_block=3, min_blocks=6, max_blocks=6, blocks_per_launch=3)
+    probes = [Probe("c128", None, ("steady_output_throughput",))]  # type: ignore[arg-type]
+    trials = [{**t, "plant": 0.0, "round": i, "verdict": "PASS", "blocks": 6, "wall_s": 200.0, "error": None,
+               "block_log_ratios": {}} for i, t in enumerate(_trials(n_trials=6))]
+    entry = {"profile": "h200-llama8b-dummy", "engine": "reference", "hardware_class": "cuda", "commit": "a" * 40,
+             "spec": {"threshold": 0.025, "alpha": 0.1, "min_blocks": 6, "max_blocks": 6, "repeats_per_block": 3,
+                      "blocks_per_launch": 3}, "trials": trials}
+    s = summarize(entry, spec, probes, replay_trials=0)
+    n = s["conditions"]["0"]["noise"]["c128:steady_output_throughput"]
+    assert n["components"]["pairs"] == 6 * 2 * 3 * 3 and "ratio" in n["aa_bias"] and "ratio" in n["second_launch"]
+    entry["summary"] = s
+    md = markdown({"machines": {"gpu-h200-x1": entry}})
+    assert "launch rounds of 3 blocks in ABBA order" in md
+    assert "| 0% | c128:steady_output_throughput | 108 |" in md
