@@ -12,7 +12,12 @@ engine upgrade does to throughput is the point of the gate, so a new version mus
 the old version's numbers, not start from "no baseline".
 
 Updates (``--perf-update-baselines``) are atomic: write a temp file in the same directory, fsync,
-``os.replace``. A crash mid-write leaves the old file intact.
+validate it with the loader, ``os.replace``. A crash mid-write leaves the old file intact, and a write
+the loader would reject never replaces it. They are also merged under a lock: two runs updating one
+profile at once (two jobs on a runner) each re-read the file under an ``flock`` of the baselines
+directory and apply only their own entries, so neither reverts the other's; where both measured the
+same metric of the same key, the later write wins and says so (:attr:`BaselineStore.conflicts`, shown
+in the summary).
 
 Provenance is kept per metric (schema 2): an update that measures only some of an entry's metrics (a
 ``-k`` selection, a test that did not run) keeps the others, and those must keep saying which commit,
@@ -39,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .atomic import atomic_write_json  # re-exported: callers imported it from here
+from .atomic import atomic_write_json, locked_dir  # atomic_write_json re-exported: callers imported it here
 from .metrics import METRICS
 
 SCHEMA_VERSION = 2
@@ -258,8 +263,10 @@ def _parse_entry(path: Path, i: int, raw: Any, schema: int = SCHEMA_VERSION) -> 
         samples = m.get("samples")
         if (not isinstance(samples, list) or not samples
                 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in samples)):
+            # --perf-update-baselines loads the file before it rewrites it, so it cannot be the fix here
             raise _err(path, f"{mw}.samples", f"must be a non-empty list of finite numbers, got {samples!r}",
-                       "re-record with --perf-update-baselines")
+                       f"repair the samples of {mw} in {path}, or delete that metric (or the whole {where}) "
+                       "from the file and re-record it with --perf-update-baselines")
         prov = _parse_provenance(path, f"{mw}.provenance", m["provenance"]) if "provenance" in m else None
         metrics[name] = MetricSamples(d.unit, d.direction, tuple(float(v) for v in samples), prov)
     for f in ("engine_version", "recorded_at", "commit", "source", "no_commit_reason"):
@@ -276,9 +283,17 @@ def _parse_entry(path: Path, i: int, raw: Any, schema: int = SCHEMA_VERSION) -> 
 def load_file(path: Path) -> tuple[str, dict[str, BaselineEntry]]:
     try:
         raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise BaselineError(f"{path}: cannot be read ({type(e).__name__}: {e}). "
+                            "Fix: it must be a readable JSON file; restore it from git") from None
     except json.JSONDecodeError as e:
         raise BaselineError(f"{path}: not valid JSON (line {e.lineno} col {e.colno}: {e.msg}). "
                             "Fix: repair the file or restore it from git") from None
+    return parse_document(path, raw)
+
+
+def parse_document(path: Path, raw: Any) -> tuple[str, dict[str, BaselineEntry]]:
+    """Validate a baseline document already parsed from JSON (``path`` only names it in errors)."""
     if not isinstance(raw, dict):
         raise _err(path, "top level", "must be an object", '{"schema_version": 1, "profile": ..., "entries": [...]}')
     unknown = set(raw) - {"schema_version", "profile", "entries", "notes"}
@@ -311,11 +326,15 @@ class BaselineStore:
         self.path = path
         self.profile = profile
         self.entries: dict[str, BaselineEntry] = {}
+        # metrics another writer replaced under this run's update (see write); shown in the summary
+        self.conflicts: list[str] = []
         if path.exists():
             file_profile, self.entries = load_file(path)
             if file_profile != profile:
                 raise BaselineError(f"{path}: profile is {file_profile!r} but the run uses profile {profile!r}. "
                                     f"Fix: rename the file to {file_profile}.json or correct its \"profile\"")
+        # what this run read: a key that differs at write time was changed by another writer meanwhile
+        self._loaded = {k: e.to_json() for k, e in self.entries.items()}
 
     def get(self, key: BaselineKey) -> BaselineEntry | None:
         return self.entries.get(key.id())
@@ -326,8 +345,10 @@ class BaselineStore:
             return None
         return e.metrics[metric].samples
 
-    def updated(self, new_entries: Iterable[BaselineEntry]) -> dict[str, Any]:
-        merged = {k: e.with_provenance() for k, e in self.entries.items()}
+    def updated(self, new_entries: Iterable[BaselineEntry],
+                base: Mapping[str, BaselineEntry] | None = None) -> dict[str, Any]:
+        """The document after applying ``new_entries`` to ``base`` (default: the entries as loaded)."""
+        merged = {k: e.with_provenance() for k, e in (self.entries if base is None else base).items()}
         for e in new_entries:
             # the new metrics' provenance is this write's (filled from its entry fields when not given)
             e = e.with_provenance()
@@ -342,10 +363,47 @@ class BaselineStore:
         return {"schema_version": SCHEMA_VERSION, "profile": self.profile, "entries": [e.to_json() for e in ordered]}
 
     def write(self, new_entries: Iterable[BaselineEntry]) -> Path:
-        data = self.updated(new_entries)
-        atomic_write_json(self.path, data)
-        _, self.entries = load_file(self.path)
+        """Apply this run's entries to the file as it is *now*: under an exclusive lock of the baselines
+        directory, re-read the file (another run may have written it since this one loaded it), merge,
+        validate the result with the loader and replace atomically. A metric of a key that another
+        writer changed since this run loaded the file is overwritten and listed in :attr:`conflicts`."""
+        new_entries = list(new_entries)
+        with locked_dir(self.path.parent):
+            current: dict[str, BaselineEntry] = {}
+            if self.path.exists():
+                file_profile, current = load_file(self.path)
+                if file_profile != self.profile:
+                    raise BaselineError(f"{self.path}: profile changed to {file_profile!r} during the run "
+                                        f"(this run uses {self.profile!r}). Fix: restore the file from git")
+            self.conflicts = self._conflicts(current, new_entries)
+            data = self.updated(new_entries, base=current)
+
+            def check(tmp: Path) -> None:
+                # the written bytes, read back by the loader every later run uses, named as the real file
+                parse_document(self.path, json.loads(tmp.read_text()))
+
+            atomic_write_json(self.path, data, validate=check)
+            _, self.entries = load_file(self.path)
+        self._loaded = {k: e.to_json() for k, e in self.entries.items()}
         return self.path
+
+    def _conflicts(self, current: Mapping[str, BaselineEntry], new_entries: list[BaselineEntry]) -> list[str]:
+        """The metrics this write replaces although another writer changed them after this run loaded
+        the file: both runs measured them, the later write wins, and a person should know which."""
+        out = []
+        for e in new_entries:
+            kid = e.key.id()
+            now = current.get(kid)
+            if now is None:
+                continue
+            before = self._loaded.get(kid, {}).get("metrics", {})
+            theirs = now.to_json()["metrics"]
+            changed = sorted(m for m in e.metrics if m in theirs and theirs[m] != before.get(m))
+            if changed:
+                src = "; ".join(sorted({str(theirs[m]["provenance"].get("source")) for m in changed}))
+                out.append(f"{kid}: {', '.join(changed)} also updated by another run ({src}) since this run "
+                           "read the file; this run's samples replaced them")
+        return out
 
 
 def entries_from_results(results: Iterable[Mapping[str, Any]], *, commit: Mapping[str, Any],

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from .baselines import entries_from_results
+from .baselines import BaselineError, entries_from_results
 from .machine import commit_info, machine_info
 from .recorder import PROP
-from .session import SESSION_KEY, PerfSession, activate
+from .session import SESSION_KEY, PerfSession, activate, end_session_on_signals
 
 
 class PerfCollector:
@@ -28,6 +28,8 @@ class PerfCollector:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.updated: tuple[Path, int] | None = None
+        # why --perf-update-baselines wrote nothing at the end (said in the summary, the run fails)
+        self.update_error: str | None = None
 
     @property
     def s(self) -> PerfSession:
@@ -45,6 +47,7 @@ class PerfCollector:
                 rec = json.loads(value) if isinstance(value, str) else value
                 rec["outcome"] = report.outcome
                 self.s.results.append(rec)
+                end_session_on_signals(cfg)  # the xdist controller collects nothing: its first sign of a run
                 cfg.hook.pytest_perf_result(config=cfg, result=rec)
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
@@ -68,7 +71,13 @@ class PerfCollector:
             return
         entries = entries_from_results(s.results, commit=commit, machine=minfo)
         if entries:
-            self.updated = (s.store.write(entries), len(entries))
+            try:
+                self.updated = (s.store.write(entries), len(entries))
+            except (OSError, BaselineError) as e:
+                # the directory was checked up front; a disk that filled or a file that changed under
+                # the run still must not cost the summary: say it there and fail the run
+                self.update_error = f"{type(e).__name__}: {e}"
+                session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
         if not self._active():
@@ -91,3 +100,7 @@ class PerfCollector:
         tr.write_line(f"report: {s.report_dir / 'summary.md'}  run file: {s.report_dir / 'run.json'}")
         if self.updated:
             tr.write_line(f"baselines updated: {self.updated[0]} ({self.updated[1]} entries)")
+            for c in s.store.conflicts:
+                tr.write_line(f"baselines: CONFLICTING UPDATE {c}")
+        if self.update_error:
+            tr.write_line(f"baselines NOT updated ({s.store.path}): {self.update_error}", red=True)

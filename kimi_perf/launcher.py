@@ -11,7 +11,12 @@ gate. Every server (reference, vLLM, SGLang) is started the same way:
   registry that atexit and signal handlers sweep, so SIGINT/SIGTERM of the test process leaves
   nothing running,
 - with a log file per server, progress lines while waiting (phase, elapsed/timeout, log path) and the
-  last log lines in every failure message.
+  last log lines in every failure message,
+- ready only when the process answering ``/health`` is the one launched: the listening socket's owner
+  (``/proc/net/tcp*`` inode -> ``/proc/<pid>/fd``) must be the server or a process of its group. An
+  HTTP server squatting the port (two sessions racing :func:`free_port`) answered 200 and the launcher
+  reported "ready" against it while the real server died of EADDRINUSE; now that is a bind failure,
+  said as such with the squatter's pid, and retried on a new port.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import Any
 from .progress import log
 
 __all__ = [
+    "BindFailed",
     "LaunchSpec",
     "ServerDied",
     "ServerError",
@@ -60,6 +66,10 @@ class ServerTimeout(ServerError):
     pass
 
 
+class BindFailed(ServerDied):
+    """The server could not bind its port: another process holds it."""
+
+
 @dataclass(frozen=True)
 class LaunchSpec:
     """What to run. ``argv_for_port`` renders the command for a concrete port."""
@@ -81,6 +91,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
+
+# the launcher's pid, in every server's environment: a server that reads it (the reference engine) exits
+# at once when its parent is no longer that process, even where PR_SET_PDEATHSIG's SIGTERM is not enough
+PARENT_ENV = "KIMI_PERF_PARENT_PID"
 
 _LIVE: dict[int, ServerProcess] = {}
 _LIVE_LOCK = threading.Lock()
@@ -140,6 +154,84 @@ def _install_handlers() -> None:
 _handlers_installed = False
 
 
+def _listening_inodes(port: int) -> set[str] | None:
+    """Inodes of the TCP sockets listening on ``port`` (any address), or None where /proc cannot say."""
+    found: set[str] = set()
+    readable = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        readable = True
+        for ln in lines:
+            f = ln.split()
+            # local_address is ADDR:PORT in hex; state 0A is LISTEN; field 9 the socket inode
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                found.add(f[9])
+    return found if readable else None
+
+
+def _pid_table() -> dict[int, tuple[int, int]]:
+    """pid -> (ppid, pgrp) of every process /proc lists."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        rest = stat[stat.rfind(")") + 2:].split()  # the command name may hold spaces and parentheses
+        out[int(d.name)] = (int(rest[1]), int(rest[2]))
+    return out
+
+
+def _holds_socket(pid: int, inodes: set[str]) -> bool:
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            return True
+    return False
+
+
+def port_owner(port: int, leader: int) -> tuple[bool | None, str]:
+    """Whether the socket listening on ``port`` belongs to ``leader``, its process group or a
+    descendant: (True, ""), (False, "pid N (cmdline)") naming the holder, or (None, why) where /proc
+    cannot tell (not Linux): the caller then trusts the answer, as before."""
+    inodes = _listening_inodes(port)
+    if inodes is None:
+        return None, "no /proc/net/tcp"
+    if not inodes:
+        return False, "no process listens there"
+    table = _pid_table()
+
+    def ours(pid: int) -> bool:
+        seen = 0
+        while pid > 1 and seen < 64:
+            if pid == leader or table.get(pid, (0, 0))[1] == leader:
+                return True
+            pid, seen = table.get(pid, (0, 0))[0], seen + 1
+        return False
+
+    mine = [p for p in table if ours(p)]
+    if any(_holds_socket(p, inodes) for p in mine):
+        return True, ""
+    for p in table:
+        if p not in mine and _holds_socket(p, inodes):
+            try:
+                cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                cmd = "?"
+            return False, f"pid {p} ({cmd[:120]})"
+    return False, "a process this user cannot inspect"
 
 
 class ServerProcess:
@@ -153,6 +245,8 @@ class ServerProcess:
         self.progress_every_s = progress_every_s
         self.started_at = 0.0
         self.ready_s: float | None = None
+        # who answered on our port instead of the launched server, if anyone did (see port_owner)
+        self.squatter: str | None = None
 
     @property
     def base_url(self) -> str:
@@ -189,11 +283,12 @@ class ServerProcess:
             _install_handlers()
             _handlers_installed = True
         self.port = port
+        self.squatter = None
         log_dir = Path(self.spec.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{self.spec.name}-{port}.log"
         argv = [str(a) for a in self.spec.argv_for_port(port)]
-        env = {**os.environ, **self.spec.env}
+        env = {**os.environ, **self.spec.env, PARENT_ENV: str(os.getpid())}
         env.setdefault("PYTHONUNBUFFERED", "1")
         with self.log_path.open("wb") as logf:
             logf.write(f"$ {' '.join(argv)}\n".encode())
@@ -217,9 +312,8 @@ class ServerProcess:
                 return self
             except ServerDied as e:
                 last = e
-                low = self.tail(50).lower()
-                if any(m in low for m in self.spec.port_in_use_markers) and attempt + 1 < attempts:
-                    log(f"{self.spec.name}: port {self.port} was taken; retrying on a new port")
+                if isinstance(e, BindFailed) and attempt + 1 < attempts:
+                    log(f"{self.spec.name}: {e.args[0].split(' (exit code')[0]}; retrying on a new port")
                     self.stop()
                     continue
                 self.stop()
@@ -249,17 +343,30 @@ class ServerProcess:
         while True:
             rc = self.proc.poll()
             if rc is not None:
+                low = self.tail(50).lower()
+                if self.squatter or any(m in low for m in self.spec.port_in_use_markers):
+                    raise BindFailed(
+                        f"{self.spec.name} could not bind {self.spec.host}:{self.port}: the port is held by "
+                        f"{self.squatter or 'another process'} (exit code {rc}; log: {self.log_path}); "
+                        f"last log lines:\n{self.tail()}", rc)
                 raise ServerDied(
                     f"{self.spec.name} exited with code {rc} before becoming ready "
                     f"(log: {self.log_path}); last log lines:\n{self.tail()}", rc)
             status = self._probe()
             now = time.monotonic()
             if status == 200:
-                self.ready_s = now - t0
-                log(f"{self.spec.name}: ready in {self.ready_s:.1f}s at {self.base_url}")
-                return self.ready_s
-            phase = "loading (health 503)" if status == 503 else (
-                f"health {status}" if status else "starting (port not open yet)")
+                owned, holder = port_owner(self.port, self.proc.pid)  # type: ignore[arg-type]
+                if owned is not False:
+                    self.ready_s = now - t0
+                    log(f"{self.spec.name}: ready in {self.ready_s:.1f}s at {self.base_url}")
+                    return self.ready_s
+                # someone else answered: not ready; the launched server will usually exit on EADDRINUSE
+                self.squatter = holder
+            if self.squatter and status is not None:
+                phase = f"port {self.port} answered by {self.squatter}, not the launched server"
+            else:
+                phase = "loading (health 503)" if status == 503 else (
+                    f"health {status}" if status else "starting (port not open yet)")
             if now - t0 > timeout:
                 msg = (f"{self.spec.name} not ready after {timeout:.0f}s ({phase}; log: {self.log_path}); "
                        f"last log lines:\n{self.tail()}")
@@ -268,7 +375,7 @@ class ServerProcess:
                 last = self.tail(1).replace("\n", " ")[:140]
                 log(f"{self.spec.name}: {phase}, {now - t0:.0f}s/{timeout:.0f}s (log: {self.log_path}) | {last}")
                 next_report = now + self.progress_every_s
-            time.sleep(0.5)
+            time.sleep(0.1 if self.squatter else 0.5)
 
     def stop(self, grace_s: float = 15.0) -> int | None:
         """SIGTERM the process group, SIGKILL it after ``grace_s``; returns the exit code."""

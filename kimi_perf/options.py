@@ -39,6 +39,9 @@ _INI: list[tuple[str, str, str]] = [
     ("perf_history_dir", "directory of <profile>.jsonl run histories ('' = <perf_report_dir>/history, 'off' = none)",
      ""),
 ]
+# bounds of the numeric options, inclusive: --perf-server-timeout=-5 or a repeats count with extra digits
+# was accepted and the run then failed late or never ended (checked where the session is built)
+OPTION_BOUNDS = {"perf_repeats": (0, 100), "perf_server_timeout": (1.0, 86_400.0)}
 # the one place the defaults live: addini gets them and every --perf-* help text quotes them from here
 _DEFAULT = {name: default for name, _, default in _INI}
 DEFAULT_ENGINES_HELP = "'default' = the profile's default_engines"

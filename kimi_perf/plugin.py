@@ -55,10 +55,12 @@ from .session import (
     _PARAM_FIXTURES,
     _SESSION_FIXTURES,
     SESSION_KEY,
+    SIGNAL_KEY,
     PerfSession,
     _build_session,
     _switch,
     activate,
+    end_session_on_signals,
     get_session,
     needs_session,
     server_affine_order,
@@ -265,6 +267,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         elif item.get_closest_marker("gpu") is not None and not s.gpus:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; nvidia-smi lists none on this machine"))
     items[:] = server_affine_order(items, s.engines)
+    end_session_on_signals(config)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    signum = session.config.stash.get(SIGNAL_KEY, 0)
+    if signum:
+        # pytest returns session.exitstatus as set after this hook: 2 (interrupted) would hide the signal
+        session.exitstatus = 128 + signum
 
 
 MISSING_KEY = pytest.StashKey[str]()

@@ -10,6 +10,7 @@ the plugin level).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,9 +124,51 @@ def _e(path: Path, key: str, problem: str, fix: str) -> ProfileError:
     return ProfileError(f"profile {path}: {key}: {problem}. Fix: {fix}")
 
 
+# Bounds of every number a profile gives, (low, high) inclusive. Why bounds at all: a value no check
+# bounded ran until it failed late or never ended (repeats 10**9, concurrency 10**6), and a bool passed
+# as an integer (``true`` is 1 to Python) produced a baseline file the loader then rejected. The highs
+# are far above any real deployment, low enough to catch a typo's extra digits.
+MAX_CONCURRENCY = 4096
+_INT_BOUNDS = {"repeats": (1, 100), "min_gpus": (0, 64), "prompts_per_concurrency": (1, 10_000),
+               "concurrency": (1, MAX_CONCURRENCY)}
+_WORKLOAD_INT = {"input_len": (1, 1 << 20), "output_len": (1, 1 << 20), "num_prompts": (1, 100_000),
+                 "concurrency": (1, MAX_CONCURRENCY), "warmup": (0, 1000), "seed": (0, 2**63 - 1)}
+_WORKLOAD_NUM = {"temperature": (0.0, 100.0), "request_timeout_s": (0.001, 86_400.0),
+                 "request_rate": (1e-6, math.inf)}
+
+
+def _int(path: Path, key: str, v: Any, lo: int, hi: int) -> int:
+    """``v`` as a bounded integer: a bool is not one (``true`` would count as 1), nor is 12.5."""
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise _e(path, key, f"{v!r}", f"an integer in [{lo}, {hi}] (not a boolean, not a fraction)")
+    return v
+
+
+def _number(path: Path, key: str, v: Any, lo: float, hi: float) -> float:
+    """``v`` as a bounded finite number (``hi`` may be inf: then inf itself is allowed, NaN never)."""
+    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and not math.isnan(v) and lo <= v <= hi
+    if not ok or (math.isinf(v) and not math.isinf(hi)):
+        raise _e(path, key, f"{v!r}", f"a number in [{lo}, {hi}]")
+    return float(v)
+
+
+def _check_workload_fields(path: Path, key: str, raw: Mapping[str, Any]) -> None:
+    for f, (lo, hi) in _WORKLOAD_INT.items():
+        if f in raw:
+            _int(path, f"{key}.{f}", raw[f], lo, hi)
+    for f, (flo, fhi) in _WORKLOAD_NUM.items():
+        if f in raw and not (f == "request_rate" and raw[f] in ("inf", None)):
+            _number(path, f"{key}.{f}", raw[f], flo, fhi)
+    if "ignore_eos" in raw and not isinstance(raw["ignore_eos"], bool):
+        raise _e(path, f"{key}.ignore_eos", f"{raw['ignore_eos']!r}", "true or false (a JSON boolean)")
+    if "dataset" in raw and not isinstance(raw["dataset"], str):
+        raise _e(path, f"{key}.dataset", f"{raw['dataset']!r}", '"random", "mtbench" or "sharegpt"')
+
+
 def _workload(path: Path, key: str, raw: Any, name: str) -> Workload:
     if not isinstance(raw, dict):
         raise _e(path, key, "must be an object of workload fields", "see kimi_perf.load.workload.Workload")
+    _check_workload_fields(path, key, raw)
     try:
         return Workload.from_dict({"name": name, **raw})
     except (TypeError, ValueError, AttributeError) as ex:
@@ -175,9 +218,7 @@ def _load_profile(path: Path) -> Profile:
     hw = raw.get("hardware", "cpu")
     if hw not in ("cpu", "cuda"):
         raise _e(path, "hardware", f"{hw!r}", 'use "cpu" or "cuda"')
-    min_gpus = raw.get("min_gpus", 0 if hw == "cpu" else 1)
-    if isinstance(min_gpus, bool) or not isinstance(min_gpus, int) or min_gpus < 0:
-        raise _e(path, "min_gpus", f"{min_gpus!r}", "a non-negative integer")
+    min_gpus = _int(path, "min_gpus", raw.get("min_gpus", 0 if hw == "cpu" else 1), *_INT_BOUNDS["min_gpus"])
     m = raw.get("model")
     if not isinstance(m, dict) or m.get("source") not in ("embedded", "path", "dummy"):
         got = m.get("source") if isinstance(m, dict) else m
@@ -198,9 +239,7 @@ def _load_profile(path: Path) -> Profile:
     default = raw.get("default_engines", [next(iter(engines))])
     if not isinstance(default, list) or not all(isinstance(d, str) and d in engines for d in default):
         raise _e(path, "default_engines", f"{default!r} names an engine not under 'engines'", f"choose from {sorted(engines)}")
-    repeats = raw.get("repeats", 3)
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise _e(path, "repeats", f"{repeats!r}", "an integer >= 1 (3 on CPU, 5 on GPU)")
+    repeats = _int(path, "repeats", raw.get("repeats", 3), *_INT_BOUNDS["repeats"])
     tp = None
     if "throughput" in raw:
         t = raw["throughput"]
@@ -211,21 +250,23 @@ def _load_profile(path: Path) -> Profile:
         if bad:
             raise _e(path, "throughput", f"unknown key(s) {sorted(bad)}", "see profiles/embedded-cpu.json")
         conc = t.get("concurrency", [1])
-        if not isinstance(conc, list) or not conc or not all(isinstance(c, int) and c >= 1 for c in conc):
+        if not isinstance(conc, list) or not conc:
             raise _e(path, "throughput.concurrency", f"{conc!r}", "a list of integers >= 1, e.g. [1, 4, 8]")
+        for i, c in enumerate(conc):
+            _int(path, f"throughput.concurrency[{i}]", c, *_INT_BOUNDS["concurrency"])
         wl = _workload(path, "throughput.workload", t.get("workload", {}), "random")
         ss_over = t.get("single_stream", {})
         if not isinstance(ss_over, dict):
             raise _e(path, "throughput.single_stream", "must be an object of workload fields", "e.g. {\"num_prompts\": 3}")
         base = {k: v for k, v in wl.to_dict().items() if k != "name"}
         ss = _workload(path, "throughput.single_stream", {**base, **ss_over, "concurrency": 1}, wl.name + "-single")
-        ppc = t.get("prompts_per_concurrency", 2)
-        if isinstance(ppc, bool) or not isinstance(ppc, int) or ppc < 1:
-            raise _e(path, "throughput.prompts_per_concurrency", f"{ppc!r}", "an integer >= 1")
+        ppc = _int(path, "throughput.prompts_per_concurrency", t.get("prompts_per_concurrency", 2),
+                   *_INT_BOUNDS["prompts_per_concurrency"])
         bg = t.get("batching_gain")
         if bg is not None and (not isinstance(bg, dict) or set(bg) != {"concurrency", "min_ratio"}
-                               or bg["concurrency"] not in conc or isinstance(bg["min_ratio"], bool)
-                               or not isinstance(bg["min_ratio"], (int, float))):
+                               or isinstance(bg["concurrency"], bool) or bg["concurrency"] not in conc
+                               or isinstance(bg["min_ratio"], bool) or not isinstance(bg["min_ratio"], (int, float))
+                               or not 0 < bg["min_ratio"] <= 1000):
             raise _e(path, "throughput.batching_gain", f"{bg!r}",
                      '{"concurrency": C, "min_ratio": R} with C one of throughput.concurrency')
         mfr = t.get("min_floor_ratio")
@@ -255,7 +296,7 @@ def _load_profile(path: Path) -> Profile:
                  "allowed: floor, noise_mult, alpha, floors")
     nums = {k: g.get(k, d) for k, d in (("floor", 0.10), ("noise_mult", 3.0), ("alpha", 0.05))}
     for k, v in nums.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise _e(path, f"gate.{k}", f"must be a number, got {v!r}", "floor is a fraction (0.10 = 10%)")
     try:
         gcfg = GateConfig(floor=float(nums["floor"]), noise_mult=float(nums["noise_mult"]), alpha=float(nums["alpha"]))
@@ -272,6 +313,8 @@ def _load_profile(path: Path) -> Profile:
     hm = raw.get("hardware_match", {})
     if hm and (not isinstance(hm, dict) or set(hm) - {"gpu_name_contains", "count", "key"} or "key" not in hm):
         raise _e(path, "hardware_match", f"{hm!r}", '{"gpu_name_contains": "H200", "count": 1, "key": "gpu-h200-x1"}')
+    if hm and "count" in hm:
+        _int(path, "hardware_match.count", hm["count"], 1, 64)
     for section in ("eagle3", "alignment", "nccl", "sources", "allreduce"):
         if section in raw and not isinstance(raw[section], dict):
             raise _e(path, section, "must be an object", "see profiles/embedded-cpu.json")

@@ -296,9 +296,9 @@ def parse_nccl(raw: Any, engines: Mapping[str, Any]) -> NcclSection | None:
     if eng is not None and eng not in engines:
         raise SectionError("nccl.engine", f"{eng!r} is not an engine of the profile", f"one of {sorted(engines)}")
     conc = raw.get("concurrency", list(NcclSection.concurrency))
-    if not isinstance(conc, list) or not conc or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1
-                                                         for c in conc):
-        raise SectionError("nccl.concurrency", f"{conc!r}", "a list of concurrencies >= 1, e.g. [1, 128]")
+    if not isinstance(conc, list) or not conc or not all(isinstance(c, int) and not isinstance(c, bool)
+                                                         and 1 <= c <= 4096 for c in conc):
+        raise SectionError("nccl.concurrency", f"{conc!r}", "a list of concurrencies in [1, 4096], e.g. [1, 128]")
     mr = raw.get("min_ratio", NcclSection.min_ratio)
     if isinstance(mr, bool) or not isinstance(mr, (int, float)) or not 0 <= mr < 10:
         raise SectionError("nccl.min_ratio", f"{mr!r}", "the preferred preset's minimum throughput ratio, e.g. 1.0")

@@ -7,6 +7,8 @@ hook reaches for, and it reads only options, profiles and baselines, never the g
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +21,7 @@ from .ab.config import ABConfigError
 from .baselines import BaselineError, BaselineStore
 from .endpoint import Endpoint
 from .machine import gpu_info, hardware_key
-from .options import _opt
+from .options import OPTION_BOUNDS, _opt
 from .profiles import Profile, ProfileError, find_profile, load_profile
 
 
@@ -102,16 +104,14 @@ def _build_session(config: pytest.Config) -> PerfSession:
         if unknown:
             raise pytest.UsageError(f"--perf-engine {engines_opt}: profile {profile.name} ({profile.path}) has no engine "
                                     f"{', '.join(unknown)}; its engines: {', '.join(profile.engines)}")
-    try:
-        repeats = int(_opt(config, "perf_repeats"))
-        timeout = float(_opt(config, "perf_server_timeout"))
-    except ValueError as e:
-        raise pytest.UsageError(f"kimi-perf: bad number in perf_repeats/perf_server_timeout: {e}") from None
-    if repeats < 0:
-        raise pytest.UsageError("--perf-repeats must be >= 0 (0 = the profile's repeats)")
+    repeats = int(_bounded(config, "perf_repeats", int))
+    timeout = _bounded(config, "perf_server_timeout", float)
+    update = bool(config.getoption("--perf-update-baselines"))
     baseline_dir = Path(str(_opt(config, "perf_baseline_dir")))
     if not baseline_dir.is_absolute():
         baseline_dir = rootdir / baseline_dir
+    if update:
+        _check_writable_dir(baseline_dir, "--perf-baseline-dir (ini perf_baseline_dir), written by --perf-update-baselines")
     try:
         store = BaselineStore(baseline_dir / f"{profile.name}.json", profile.name)
     except BaselineError as e:
@@ -119,6 +119,7 @@ def _build_session(config: pytest.Config) -> PerfSession:
     report_dir = Path(str(_opt(config, "perf_report_dir")))
     if not report_dir.is_absolute():
         report_dir = rootdir / report_dir
+    _check_writable_dir(report_dir, "--perf-report-dir (ini perf_report_dir)")
     ab = None
     ab_opt = config.getoption("--perf-ab")
     if ab_opt:
@@ -132,9 +133,15 @@ def _build_session(config: pytest.Config) -> PerfSession:
 
     history_path = history_file(str(config.getoption("--perf-history") or config.getini("perf_history_dir")),
                                 rootdir=rootdir, report_dir=report_dir, profile=profile.name)
+    if history_path is not None:
+        _check_writable_dir(history_path.parent, "--perf-history (ini perf_history_dir; 'off' disables it)")
     endpoint = _endpoint(config, engines, profile.name)
     gpus = gpu_info()
     json_opt = config.getoption("--perf-json")
+    if json_opt:
+        if Path(json_opt).is_dir():
+            raise pytest.UsageError(f"--perf-json {json_opt}: is a directory; give the path of a file to write")
+        _check_writable_dir(Path(json_opt).absolute().parent, f"--perf-json {json_opt} (its directory)")
     pythons = {}
     for eng in ("vllm", "sglang"):
         # flag, then env, then the venv scripts/setup.sh creates beside the checkout
@@ -146,7 +153,7 @@ def _build_session(config: pytest.Config) -> PerfSession:
         pythons[eng] = cand
     return PerfSession(
         endpoint=endpoint, config=config, profile=profile, store=store, report_dir=report_dir,
-        repeats=repeats or profile.repeats, update=bool(config.getoption("--perf-update-baselines")),
+        repeats=repeats or profile.repeats, update=update,
         engines=engines, hardware=profile.hardware_key(hardware_key(gpus, use_gpu=profile.hardware == "cuda"), gpus),
         rootdir=rootdir,
         json_path=Path(json_opt) if json_opt else None, server_timeout_s=timeout,
@@ -155,6 +162,39 @@ def _build_session(config: pytest.Config) -> PerfSession:
         allow_remote_bind=bool(config.getoption("--perf-allow-remote-bind")), ab=ab, history_path=history_path,
         train_drafter=bool(config.getoption("--perf-train-drafter")),
     )
+
+
+def _bounded(config: pytest.Config, name: str, kind: type) -> float:
+    """A numeric option (or its ini value) within :data:`OPTION_BOUNDS`, else a UsageError naming it."""
+    lo, hi = OPTION_BOUNDS[name]
+    flag = "--" + name.replace("_", "-")
+    raw = _opt(config, name)
+    try:
+        v = kind(raw)
+    except (TypeError, ValueError):
+        raise pytest.UsageError(f"{flag} (ini {name}): {raw!r} is not a number; give one in [{lo:g}, {hi:g}]") from None
+    if not lo <= v <= hi:  # NaN fails this too
+        zero = " (0 = the profile's repeats)" if name == "perf_repeats" else ""
+        raise pytest.UsageError(f"{flag} (ini {name}): {raw} is out of range; give a value in [{lo:g}, {hi:g}]{zero}")
+    return v
+
+
+def _check_writable_dir(path: Path, option: str) -> None:
+    """Refuse, before anything runs, a directory the run will write but cannot: the path or one of its
+    parents is a file, or the nearest existing directory is not writable. Found after the run, this was
+    a raw NotADirectoryError/PermissionError naming no option, and the measurements were lost."""
+    p = path
+    while not p.exists():
+        if p.parent == p:
+            break
+        p = p.parent
+    if not p.is_dir():
+        what = "is a file" if p == path else f"has a file in its path ({p})"
+        raise pytest.UsageError(f"{option}: {path} {what}; it must be a directory. Fix: point the option elsewhere "
+                                "or move the file")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise pytest.UsageError(f"{option}: {path} is not writable by this user ({p} is read-only). Fix: point "
+                                "the option at a writable directory or fix its permissions")
 
 
 _FAILED_KEY = pytest.StashKey[str]()
@@ -242,3 +282,41 @@ def server_affine_order(items: list[pytest.Item], engines: tuple[str, ...] | lis
         return (mod, rank[engine] if engine is not None else 0, line if isinstance(line, int) else pos, indices, pos)
 
     return [item for _, item in sorted(enumerate(items), key=key)]
+
+
+# -- SIGTERM / SIGHUP -----------------------------------------------------------------------------
+
+# the signal that ended the session, if one did: the exit code says it (128 + signal number)
+SIGNAL_KEY = pytest.StashKey[int]()
+END_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def end_session_on_signals(config: pytest.Config) -> None:
+    """SIGTERM and SIGHUP end the session the way SIGINT does: a KeyboardInterrupt unwinds the running
+    test, pytest tears the fixtures down (servers and ranks stopped), the collector writes run.json and
+    the summary with what was measured, and the exit code is 128 + the signal number.
+
+    Why: the launcher's handler alone raised SystemExit inside the running test, which pytest records
+    as that test's failure and carries on with the next one (a fresh server included): a CI cancel was
+    ignored until the runner escalated to SIGKILL and lost the run's results. Installed only once a
+    perf session is active (on the xdist controller: at the first result), so plain unit-test runs
+    keep Python's default handling."""
+    if threading.current_thread() is not threading.main_thread() or SIGNAL_KEY in config.stash:
+        return
+    config.stash[SIGNAL_KEY] = 0
+    previous = {sig: signal.getsignal(sig) for sig in END_SIGNALS}
+
+    def handler(signum: int, frame: object) -> None:
+        if config.stash.get(SIGNAL_KEY, 0):
+            return  # already unwinding: a repeated signal must not interrupt the teardown and reports
+        config.stash[SIGNAL_KEY] = signum
+        raise KeyboardInterrupt(f"{signal.Signals(signum).name} received: ending the kimi-perf session")
+
+    for sig in END_SIGNALS:
+        signal.signal(sig, handler)
+
+    def restore() -> None:
+        for sig, prev in previous.items():
+            signal.signal(sig, prev)
+
+    config.add_cleanup(restore)

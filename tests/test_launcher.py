@@ -141,3 +141,60 @@ def test_free_port_is_bindable():
     p = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", p))
+
+
+class _Squatter:
+    """An HTTP server on a port that answers 200 to everything: someone else's server."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                self.send_response(200)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+            def log_message(self, *a):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_a_squatter_answering_health_is_a_bind_failure_not_ready(tmp_path):
+    from kimi_perf.launcher import BindFailed
+
+    sq = _Squatter()
+    try:
+        srv = ServerProcess(spec(tmp_path, "ok"))
+        with pytest.raises(BindFailed) as ei:
+            srv.start(port=sq.port, attempts=1)
+        msg = str(ei.value)
+        assert f"could not bind 127.0.0.1:{sq.port}" in msg and f"pid {os.getpid()}" in msg
+        assert srv.ready_s is None and wait_dead(srv.pid)
+    finally:
+        sq.close()
+
+
+def test_a_squatter_makes_the_launch_retry_on_a_port_it_owns(tmp_path):
+    from kimi_perf.launcher import port_owner
+
+    sq = _Squatter()
+    try:
+        srv = ServerProcess(spec(tmp_path, "ok")).start(port=sq.port)
+        try:
+            assert srv.port != sq.port and srv.alive()
+            assert port_owner(srv.port, srv.pid) == (True, "")
+            assert port_owner(sq.port, srv.pid)[0] is False
+        finally:
+            srv.stop()
+    finally:
+        sq.close()

@@ -8,6 +8,7 @@ as vLLM implements it, and SGLang's native ``/generate``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +81,16 @@ def _check_fields(body: Any, schema: dict[str, Any], where: str) -> None:
             raise BadRequest(f"field {key!r} in {where} must be {_type_name(want)}, got {type(value).__name__}", key)
 
 
+def _check_text(text: str, field: str) -> str:
+    """A prompt string the tokenizer can take: JSON may carry a lone surrogate (``"\\ud800"``), which
+    Python decodes into a str that no UTF-8 tokenizer accepts (it was a 500 from inside tokenization)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"{field} is not valid Unicode text ({e.reason} at index {e.start})", field) from None
+    return text
+
+
 def _check_token_ids(ids: list[Any], field: str, vocab_size: int) -> list[int]:
     if not ids:
         raise BadRequest(f"{field} is empty: give at least one token", field)
@@ -91,12 +102,28 @@ def _check_token_ids(ids: list[Any], field: str, vocab_size: int) -> list[int]:
     return list(ids)
 
 
+# torch.Generator.manual_seed takes a 64-bit value; a larger seed was a plain-text 500 ("Overflow when
+# unpacking long long") from inside the engine. vLLM and SGLang take non-negative seeds.
+SEED_MAX = 2**63 - 1
+
+
+def _seed(body: dict[str, Any], key: str) -> int | None:
+    seed = body.get(key)
+    if seed is not None and not 0 <= seed <= SEED_MAX:
+        raise BadRequest(f"{key} must be an integer in [0, 2**63 - 1], got {seed}", key)
+    return seed
+
+
 def _common_sampling(body: dict[str, Any], *, max_key: str, default_max: int) -> dict[str, Any]:
     max_tokens = body.get(max_key, default_max)
     if max_tokens is None:
         max_tokens = default_max
     if max_tokens < 1:
         raise BadRequest(f"{max_key} must be >= 1, got {max_tokens}", max_key)
+    # JSON as Python parses it admits NaN and Infinity: a NaN temperature passed every comparison below
+    for k in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if k in body and not math.isfinite(body[k]):
+            raise BadRequest(f"{k} must be a finite number, got {body[k]}", k)
     temperature = float(body.get("temperature", 1.0 if max_key != "max_new_tokens" else 1.0))
     if temperature < 0:
         raise BadRequest(f"temperature must be >= 0, got {temperature}", "temperature")
@@ -125,8 +152,11 @@ def _common_sampling(body: dict[str, Any], *, max_key: str, default_max: int) ->
     if body.get("echo"):
         raise BadRequest("echo is not supported by the reference engine", "echo")
     min_tokens = body.get("min_tokens", body.get("min_new_tokens", 0))
+    min_key = "min_tokens" if "min_tokens" in body else "min_new_tokens"
     if min_tokens < 0:
-        raise BadRequest("min_tokens must be >= 0", "min_tokens")
+        raise BadRequest(f"{min_key} must be >= 0", min_key)
+    if min_tokens > max_tokens:
+        raise BadRequest(f"{min_key} ({min_tokens}) must not exceed {max_key} ({max_tokens})", min_key)
     return {"max_tokens": int(max_tokens), "temperature": temperature, "min_tokens": int(min_tokens)}
 
 
@@ -148,13 +178,13 @@ def parse_completion(body: Any, *, vocab_size: int, default_max: int = 16) -> Pa
     text: str | None = None
     ids: list[int] | None = None
     if isinstance(prompt, str):
-        text = prompt
+        text = _check_text(prompt, "prompt")
         if not text:
             raise BadRequest("prompt is empty", "prompt")
     elif prompt and all(isinstance(p, str) for p in prompt):
         if len(prompt) != 1:
             raise BadRequest("batched prompts are not supported: send one request per prompt", "prompt")
-        text = prompt[0]
+        text = _check_text(prompt[0], "prompt")
     elif prompt and isinstance(prompt[0], list):
         if len(prompt) != 1:
             raise BadRequest("batched prompts are not supported: send one request per prompt", "prompt")
@@ -164,7 +194,7 @@ def parse_completion(body: Any, *, vocab_size: int, default_max: int = 16) -> Pa
     s = _common_sampling(body, max_key="max_tokens", default_max=default_max)
     return ParsedRequest(
         prompt_text=text, prompt_ids=ids, max_tokens=s["max_tokens"], temperature=s["temperature"],
-        ignore_eos=bool(body.get("ignore_eos", False)), seed=body.get("seed"), min_tokens=s["min_tokens"],
+        ignore_eos=bool(body.get("ignore_eos", False)), seed=_seed(body, "seed"), min_tokens=s["min_tokens"],
         stream=bool(body.get("stream", False)), include_usage=_stream_opts(body),
         skip_special_tokens=bool(body.get("skip_special_tokens", True)),
     )
@@ -181,11 +211,14 @@ def parse_chat(body: Any, *, vocab_size: int, default_max: int = 16) -> ParsedRe
             raise BadRequest(f"messages[{i}].role must be system, user or assistant", "messages")
         if "content" not in m:
             raise BadRequest(f"messages[{i}] has no content", "messages")
+        for k in ("content", "name"):
+            if k in m:
+                _check_text(m[k], "messages")
     key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     s = _common_sampling(body, max_key=key, default_max=default_max)
     return ParsedRequest(
         prompt_text=None, prompt_ids=None, max_tokens=s["max_tokens"], temperature=s["temperature"],
-        ignore_eos=bool(body.get("ignore_eos", False)), seed=body.get("seed"), min_tokens=s["min_tokens"],
+        ignore_eos=bool(body.get("ignore_eos", False)), seed=_seed(body, "seed"), min_tokens=s["min_tokens"],
         stream=bool(body.get("stream", False)), include_usage=_stream_opts(body),
         skip_special_tokens=bool(body.get("skip_special_tokens", True)),
         messages=[{"role": m["role"], "content": m["content"]} for m in msgs],
@@ -210,6 +243,8 @@ def parse_generate(body: Any, *, vocab_size: int, default_max: int = 128) -> lis
         texts = [t] if isinstance(t, str) else t
         if not texts or not all(isinstance(x, str) and x for x in texts):
             raise BadRequest("text must be a non-empty string or a list of non-empty strings", "text")
+        for x in texts:
+            _check_text(x, "text")
         prompts = [(x, None) for x in texts]
     else:
         ids = body["input_ids"]
@@ -220,7 +255,7 @@ def parse_generate(body: Any, *, vocab_size: int, default_max: int = 128) -> lis
     return [
         ParsedRequest(
             prompt_text=pt, prompt_ids=pi, max_tokens=s["max_tokens"], temperature=s["temperature"],
-            ignore_eos=bool(sp.get("ignore_eos", False)), seed=sp.get("sampling_seed"), min_tokens=s["min_tokens"],
+            ignore_eos=bool(sp.get("ignore_eos", False)), seed=_seed(sp, "sampling_seed"), min_tokens=s["min_tokens"],
             stream=bool(body.get("stream", False)), include_usage=True,
             skip_special_tokens=bool(sp.get("skip_special_tokens", True)), return_hidden_states=bool(rhs),
             rid=body.get("rid"),

@@ -10,28 +10,33 @@ fields), ``/flush_cache`` and Prometheus ``/metrics`` with vLLM's spec-decode co
 
 The port is bound before the model loads, so a launcher sees 503 (not connection refused) during the
 load, exactly as with SGLang.
+
+This module is the command line and the process lifecycle (bind, signals, shutdown, parent watch); the
+server itself is split by concern: :mod:`.loading` (weights, tokenizer, engine), :mod:`.shapes`
+(OpenAI / SGLang response bodies) and :mod:`.routes` (:class:`ReferenceServer`, the HTTP handlers).
+
+Lifecycle: SIGTERM/SIGINT end every open request at once (streams with an error event) and the
+process exits within ``--shutdown-grace-s``. Launched by kimi-perf's launcher (which names itself in
+``KIMI_PERF_PARENT_PID``), the server also exits at once when that parent is gone: ``PR_SET_PDEATHSIG``
+covers the direct child only, and a server that outlived a SIGKILLed pytest by a minute held its GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import sys
-import time
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from ... import __version__
-from .protocol import BadRequest, ParsedRequest, parse_chat, parse_completion, parse_generate
+from ...launcher import PARENT_ENV
+from .routes import ENGINE_NAME, Pending, ReferenceServer
 
-ENGINE_NAME = "kimi-perf-reference"
+__all__ = ["ENGINE_NAME", "PARENT_ENV", "Pending", "ReferenceServer", "build_parser", "main", "validate_args"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graph-max-bs", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--cuda-graph-max-bs-decode", type=int, default=128)
     p.add_argument("--log-requests", action="store_true")
+    p.add_argument("--shutdown-grace-s", type=float, default=5.0,
+                   help="on SIGTERM/SIGINT, how long open connections get to close after their requests were "
+                        "ended with an error (default 5)")
     return p
 
 
@@ -97,496 +105,25 @@ def validate_args(args: argparse.Namespace) -> None:
         errors.append("--max-running-requests must be >= 1")
     if args.context_length < 8:
         errors.append("--context-length must be >= 8")
+    if not 0 <= args.shutdown_grace_s <= 600:
+        errors.append("--shutdown-grace-s must be in [0, 600]")
     if errors:
         raise SystemExit("invalid arguments:\n  " + "\n  ".join(errors))
 
 
-@dataclass
-class Pending:
-    """The HTTP side of one request: its queue of step events and detokeniser."""
-
-    seq: Any
-    queue: asyncio.Queue[Any]
-    detok: Any
-    t_start: float = field(default_factory=time.monotonic)
-
-
-class ReferenceServer:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.ready = False
-        self.load_error: str | None = None
-        self.engine: Any = None
-        self.tokenizer: Any = None
-        self.hf_tokenizer: Any = None
-        self.vocab_size = 0
-        self.tok_vocab = 0
-        self.model_name = args.served_model_name or Path(args.model_path).name
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.pending: dict[int, Pending] = {}
-        self.started = time.time()
-        self.info: dict[str, Any] = {}
-        self.aux_ids: tuple[int | str, ...] = ()
-
-    # -- loading ------------------------------------------------------------------------------
-
-    def load(self) -> None:
-        """Runs in a worker thread while /health answers 503."""
-        t0 = time.monotonic()
-        import torch
-        from transformers import AutoTokenizer
-
-        from .engine import Engine
-        from .model import LlamaRunner
-
-        a = self.args
-        if a.torch_threads:
-            torch.set_num_threads(a.torch_threads)
-        torch.manual_seed(a.random_seed)
-        device = a.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("--device cuda but torch.cuda.is_available() is False")
-        dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                 "float32": torch.float32}[a.dtype]
-        print(f"[kimi-ref] loading {a.model_path} ({a.load_format}, {dtype}, {device})", flush=True)
-        self.hf_tokenizer = AutoTokenizer.from_pretrained(a.model_path)
-        self.tokenizer = getattr(self.hf_tokenizer, "backend_tokenizer", None) or self.hf_tokenizer
-        self.tok_vocab = len(self.hf_tokenizer)
-        spec_k = a.speculative_num_steps if a.speculative_algorithm else 0
-        runner = LlamaRunner.from_pretrained(
-            a.model_path, device=device, dtype=dtype, max_slots=a.max_running_requests,
-            max_len=a.context_length + spec_k + 1, load_format=a.load_format, seed=a.random_seed,
-        )
-        self.vocab_size = runner.shape.vocab_size
-        n = runner.shape.num_layers
-        if a.return_aux_hidden_state_layer_ids:
-            self.aux_ids = tuple(x.strip() if x.strip() == "final" else int(x)
-                                 for x in a.return_aux_hidden_state_layer_ids.split(","))
-        elif a.enable_return_aux_hidden_states:
-            self.aux_ids = runner.shape.eagle3_aux_layers
-        # the default ids [2, N//2, N-3] only exist from 4 layers on: checked only when they are used
-        bad = [k for k in self.aux_ids if k != "final" and not 0 <= int(k) <= n]
-        if bad:
-            raise ValueError(f"--return-aux-hidden-state-layer-ids {bad}: ids must be in [0, {n}] or 'final'")
-        drafter = None
-        if a.speculative_algorithm:
-            from ...eagle3.runtime import DrafterRuntime
-
-            drafter = DrafterRuntime.from_pretrained(a.speculative_draft_model_path, runner)
-            print(f"[kimi-ref] EAGLE-3 drafter {a.speculative_draft_model_path}: aux layers "
-                  f"{drafter.aux_layers}, {spec_k} steps", flush=True)
-        if device == "cuda" and not a.disable_cuda_graph:
-            from .cuda_graphs import enable_cuda_graphs
-
-            print(f"[kimi-ref] capturing CUDA graphs (batch <= {min(a.cuda_graph_max_bs_decode, a.max_running_requests)})",
-                  flush=True)
-            enable_cuda_graphs(runner, max_bs=min(a.cuda_graph_max_bs_decode, a.max_running_requests),
-                               q_lens=sorted({1, spec_k + 1}),
-                               aux_layers=drafter.aux_layers if drafter is not None else (),
-                               log=lambda m: print(m, flush=True))
-            if drafter is not None:
-                drafter.enable_cuda_graphs(max_bs=min(a.cuda_graph_max_bs_decode, a.max_running_requests), k=spec_k,
-                                           log=lambda m: print(m, flush=True))
-        eos = set()
-        for src in (getattr(self.hf_tokenizer, "eos_token_id", None),):
-            if isinstance(src, int):
-                eos.add(src)
-        gen_cfg = Path(a.model_path) / "generation_config.json"
-        if gen_cfg.is_file():
-            e = json.loads(gen_cfg.read_text()).get("eos_token_id")
-            eos |= set(e if isinstance(e, list) else [e] if isinstance(e, int) else [])
-        self.engine = Engine(
-            runner, eos_token_ids=eos, max_running=a.max_running_requests,
-            max_prefill_tokens=a.max_prefill_tokens, prefill_wait_s=a.prefill_wait_ms / 1000.0,
-            hidden_layers=self.aux_ids if a.enable_return_aux_hidden_states else (),
-            hidden_final_norm=not a.enable_return_aux_hidden_states,
-            drafter=drafter, spec_steps=spec_k, on_step=self._on_step, on_fatal=self._on_fatal,
-        )
-        self.engine.start()
-        self.info = {
-            "model_path": a.model_path, "served_model_name": self.model_name, "dtype": str(dtype).replace("torch.", ""),
-            "device": device, "load_format": a.load_format, "context_length": a.context_length,
-            "max_running_requests": a.max_running_requests, "random_seed": a.random_seed,
-            "speculative_algorithm": a.speculative_algorithm, "speculative_num_steps": spec_k or None,
-            "speculative_eagle_topk": 1 if spec_k else None,
-            "speculative_num_draft_tokens": spec_k + 1 if spec_k else None,
-            "speculative_draft_model_path": a.speculative_draft_model_path,
-            "enable_return_hidden_states": a.enable_return_hidden_states or a.enable_return_aux_hidden_states,
-            "enable_return_aux_hidden_states": a.enable_return_aux_hidden_states,
-            "return_aux_hidden_state_layer_ids": list(self.aux_ids),
-            "cuda_graph": bool(getattr(runner, "graphs", None)),
-            "num_layers": n, "hidden_size": runner.shape.hidden_size, "vocab_size": runner.shape.vocab_size,
-            "weight_bytes": runner.w.nbytes(), "torch_threads": torch.get_num_threads(),
-            "torch_version": torch.__version__,
-        }
-        self.ready = True
-        print(f"[kimi-ref] ready in {time.monotonic() - t0:.1f}s", flush=True)
-
-    # -- engine -> HTTP -----------------------------------------------------------------------
-
-    def _on_step(self, events: list[Any]) -> None:
-        loop = self.loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._dispatch, events)
-
-    def _dispatch(self, events: list[Any]) -> None:
-        for ev in events:
-            p = self.pending.get(id(ev.seq))
-            if p is not None:
-                p.queue.put_nowait(ev)
-
-    def _on_fatal(self, msg: str) -> None:
-        # A dead engine must not look healthy: clients got their errors; now exit non-zero so the
-        # launcher reports an exit code instead of a server that hangs.
-        if self.loop is not None:
-            self.loop.call_soon_threadsafe(self.loop.call_later, 0.5, os._exit, 3)
-
-    # -- helpers ------------------------------------------------------------------------------
-
-    @staticmethod
-    def error(status: int, message: str, param: str | None = None, etype: str | None = None) -> web.Response:
-        etype = etype or {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(
-            status, "InternalServerError")
-        return web.json_response({"error": {"message": message, "type": etype, "param": param, "code": status}},
-                                 status=status)
-
-    def _not_ready(self) -> web.Response | None:
-        if self.load_error:
-            return self.error(503, f"model failed to load: {self.load_error}")
-        if not self.ready:
-            return self.error(503, "model is loading")
-        if not self.engine.alive():
-            return self.error(503, f"engine is dead: {self.engine.fatal}")
-        return None
-
-    async def _json(self, request: web.Request) -> Any:
-        try:
-            return await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BadRequest(f"request body is not valid JSON: {e}") from None
-
-    def _tokenize(self, pr: ParsedRequest) -> list[int]:
-        if pr.prompt_ids is not None:
-            return pr.prompt_ids
-        if pr.messages is not None:
-            ids = self.hf_tokenizer.apply_chat_template(pr.messages, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            return list(ids)
-        return list(self.hf_tokenizer(pr.prompt_text)["input_ids"])
-
-    def _make_seq(self, pr: ParsedRequest, ids: list[int]) -> Any:
-        from .detok import IncrementalDetokenizer
-        from .engine import SamplingParams, Sequence
-
-        ctx = self.args.context_length
-        if len(ids) >= ctx:
-            raise BadRequest(f"prompt has {len(ids)} tokens; this server's context length is {ctx}", "prompt")
-        if len(ids) + pr.max_tokens > ctx:
-            raise BadRequest(
-                f"This model's maximum context length is {ctx} tokens. However, you requested "
-                f"{len(ids) + pr.max_tokens} tokens ({len(ids)} in the prompt, {pr.max_tokens} for the "
-                "completion). Reduce the prompt or max_tokens.", "max_tokens")
-        if pr.temperature > 0 and self.engine.spec_steps:
-            raise BadRequest("this server runs EAGLE-3 speculative decoding, which the reference engine "
-                             "implements for greedy sampling only: send temperature 0", "temperature")
-        if pr.return_hidden_states and not (self.args.enable_return_hidden_states
-                                            or self.args.enable_return_aux_hidden_states):
-            raise BadRequest("return_hidden_states needs a server started with --enable-return-hidden-states "
-                             "(or --enable-return-aux-hidden-states)", "return_hidden_states")
-        seq = Sequence(
-            rid=pr.rid or uuid.uuid4().hex, prompt=ids,
-            params=SamplingParams(max_new_tokens=pr.max_tokens, temperature=pr.temperature,
-                                  ignore_eos=pr.ignore_eos, seed=pr.seed, min_new_tokens=pr.min_tokens),
-            want_hidden=pr.return_hidden_states,
-        )
-        det = IncrementalDetokenizer(self.tokenizer, self.tok_vocab, skip_special_tokens=pr.skip_special_tokens)
-        return Pending(seq, asyncio.Queue(), det)
-
-    def _submit(self, p: Pending) -> None:
-        self.pending[id(p.seq)] = p
-        try:
-            self.engine.submit(p.seq)
-        except RuntimeError:
-            self.pending.pop(id(p.seq), None)
-            raise
-
-    async def _events(self, p: Pending):  # type: ignore[no-untyped-def]
-        """Yield (text_delta, new_tokens, finished) until the sequence finishes; aborts on cancel."""
-        try:
-            while True:
-                ev = await p.queue.get()
-                if p.seq.error:
-                    raise RuntimeError(p.seq.error)
-                delta = p.detok.add(ev.new_tokens) if ev.new_tokens else ""
-                if ev.finished:
-                    delta += p.detok.flush()
-                yield delta, ev.new_tokens, ev.finished
-                if ev.finished:
-                    return
-        finally:
-            self.pending.pop(id(p.seq), None)
-            if not p.seq.finished:
-                self.engine.abort(p.seq)
-
-    def _usage(self, p: Pending) -> dict[str, int]:
-        pt, ct = len(p.seq.prompt), len(p.seq.output)
-        return {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct}
-
-    def _meta(self, p: Pending) -> dict[str, Any]:
-        s = p.seq
-        reason: dict[str, Any] | None = None
-        if s.finish_reason == "length":
-            reason = {"type": "length", "length": len(s.output)}
-        elif s.finish_reason == "stop":
-            reason = {"type": "stop", "matched": s.finish_matched}
-        elif s.finish_reason == "abort":
-            reason = {"type": "abort"}
-        meta: dict[str, Any] = {
-            "id": s.rid, "finish_reason": reason, "prompt_tokens": len(s.prompt),
-            "completion_tokens": len(s.output), "cached_tokens": 0,
-            "e2e_latency": time.monotonic() - p.t_start,
-        }
-        if self.engine.spec_steps:
-            meta.update({
-                "spec_verify_ct": s.spec_verify_ct,
-                "spec_num_correct_drafts": s.spec_accepted,
-                "spec_num_proposed_drafts": s.spec_proposed,
-                "spec_accept_rate": (s.spec_accepted / s.spec_proposed) if s.spec_proposed else 0.0,
-                "spec_accept_length": (len(s.output) / s.spec_verify_ct) if s.spec_verify_ct else 0.0,
-                "spec_accept_token_num_per_pos": list(s.spec_accepted_per_pos),
-            })
-        if s.want_hidden and s.finished:
-            rows = s.hidden_rows
-            out: list[Any] = []
-            if rows:
-                out.append(rows[0].tolist())  # 2-D prefill block
-                out += [r.tolist() for r in rows[1:]]  # 1-D rows (decode) or 2-D blocks (spec verify)
-            meta["hidden_states"] = out
-        return meta
-
-    # -- handlers -----------------------------------------------------------------------------
-
-    async def health(self, request: web.Request) -> web.Response:
-        bad = self._not_ready()
-        return bad if bad is not None else web.Response(text="ok")
-
-    async def health_generate(self, request: web.Request) -> web.Response:
-        bad = self._not_ready()
-        if bad is not None:
-            return bad
-        pr = ParsedRequest(None, [self.hf_tokenizer.bos_token_id or 0], 1, 0.0, True, None, 0, False, False, True)
-        p = self._make_seq(pr, pr.prompt_ids or [0])
-        self._submit(p)
-        async for _ in self._events(p):
-            pass
-        return web.Response(text="ok")
-
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": int(self.started), "owned_by": "kimi-perf",
-            "root": self.args.model_path, "max_model_len": self.args.context_length}]})
-
-    async def server_info(self, request: web.Request) -> web.Response:
-        bad = self._not_ready()
-        if bad is not None:
-            return bad
-        st = self.engine.stats
-        accept_len = (st.window_tokens / st.window_verify_ct) if st.window_verify_ct else None
-        return web.json_response({
-            **self.info, "version": __version__, "engine": ENGINE_NAME,
-            # which checkout this server runs (an A/B base runs from a worktree of another commit)
-            "source_root": str(Path(__file__).resolve().parents[3]),
-            "planted_slowdown": self.engine.plant,
-            "internal_states": [{"avg_spec_accept_length": accept_len,
-                                 "last_gen_throughput": st.last_gen_throughput}],
-            **({"cuda_graph_replays": g.replays, "cuda_graph_fallbacks": g.fallbacks}
-               if (g := self.engine.runner.graphs) is not None else {}),
-        })
-
-    async def version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": __version__, "engine": ENGINE_NAME})
-
-    async def flush_cache(self, request: web.Request) -> web.Response:
-        bad = self._not_ready()
-        if bad is not None:
-            return bad
-        self.engine.flush()
-        return web.Response(text="Cache flushed.")
-
-    async def metrics(self, request: web.Request) -> web.Response:
-        from .metrics import render_metrics
-
-        body = render_metrics(self) if self.ready else b""
-        return web.Response(body=body, content_type="text/plain", charset="utf-8")
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._openai(request, chat=False)
-
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._openai(request, chat=True)
-
-    async def _openai(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        bad = self._not_ready()
-        if bad is not None:
-            return bad
-        try:
-            body = await self._json(request)
-            parse = parse_chat if chat else parse_completion
-            pr = parse(body, vocab_size=self.vocab_size)
-            model = body.get("model")
-            if model is not None and model not in (self.model_name, self.args.model_path):
-                return self.error(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`",
-                                  "model", "NotFoundError")
-            p = self._make_seq(pr, self._tokenize(pr))
-        except BadRequest as e:
-            return self.error(400, str(e), e.param)
-        cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        created = int(time.time())
-        obj = "chat.completion" if chat else "text_completion"
-        try:
-            self._submit(p)
-        except RuntimeError as e:
-            return self.error(503, str(e))
-
-        def choice(text: str, finish: str | None) -> dict[str, Any]:
-            if chat:
-                return {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish}
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-
-        if not pr.stream:
-            text = []
-            try:
-                async for delta, _, _ in self._events(p):
-                    text.append(delta)
-            except RuntimeError as e:
-                return self.error(500, str(e))
-            full = "".join(text)
-            ch: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": full},
-                                   "finish_reason": p.seq.finish_reason} if chat else
-                                  {"index": 0, "text": full, "logprobs": None, "finish_reason": p.seq.finish_reason})
-            return web.json_response({"id": cid, "object": obj, "created": created, "model": self.model_name,
-                                      "choices": [ch], "usage": self._usage(p)})
-
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-
-        async def send(payload: dict[str, Any] | str) -> None:
-            data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-            await resp.write(f"data: {data}\n\n".encode())
-
-        try:
-            if chat:
-                await send({"id": cid, "object": chunk_obj, "created": created, "model": self.model_name,
-                            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "finish_reason": None}]})
-            async for delta, _, finished in self._events(p):
-                if delta:
-                    await send({"id": cid, "object": chunk_obj, "created": created, "model": self.model_name,
-                                "choices": [choice(delta, None)]})
-                if finished:
-                    await send({"id": cid, "object": chunk_obj, "created": created, "model": self.model_name,
-                                "choices": [choice("", p.seq.finish_reason)]})
-            if pr.include_usage:
-                await send({"id": cid, "object": chunk_obj, "created": created, "model": self.model_name,
-                            "choices": [], "usage": self._usage(p)})
-            await send("[DONE]")
-        except RuntimeError as e:
-            # headers are gone: report in-band as vLLM does, and end the stream without [DONE]
-            await send({"error": {"message": str(e), "type": "InternalServerError", "code": 500}})
-        except (ConnectionResetError, asyncio.CancelledError):
-            raise
-        await resp.write_eof()
-        return resp
-
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        bad = self._not_ready()
-        if bad is not None:
-            return bad
-        try:
-            body = await self._json(request)
-            prs = parse_generate(body, vocab_size=self.vocab_size)
-            pendings = [self._make_seq(pr, self._tokenize(pr)) for pr in prs]
-        except BadRequest as e:
-            return self.error(400, str(e), e.param)
-        batched = isinstance(body.get("text", body.get("input_ids")), list) and (
-            "text" in body or (body["input_ids"] and isinstance(body["input_ids"][0], list)))
-        try:
-            for p in pendings:
-                self._submit(p)
-        except RuntimeError as e:
-            return self.error(503, str(e))
-        if prs[0].stream:
-            if len(pendings) != 1:
-                return self.error(400, "streaming /generate takes one prompt", "stream")
-            p = pendings[0]
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await resp.prepare(request)
-            try:
-                async for _delta, _new, _fin in self._events(p):
-                    payload = {"text": p.detok.text, "output_ids": list(p.seq.output), "meta_info": self._meta(p)}
-                    await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
-                await resp.write(b"data: [DONE]\n\n")
-            except RuntimeError as e:
-                await resp.write(f"data: {json.dumps({'error': {'message': str(e), 'code': 500}})}\n\n".encode())
-            await resp.write_eof()
-            return resp
-
-        async def run(p: Pending) -> dict[str, Any]:
-            async for _ in self._events(p):
-                pass
-            return {"text": p.detok.text, "output_ids": list(p.seq.output), "meta_info": self._meta(p)}
-
-        try:
-            results = await asyncio.gather(*(run(p) for p in pendings))
-        except RuntimeError as e:
-            return self.error(500, str(e))
-        body_out: Any = results if batched else results[0]
-        return web.Response(text=json.dumps(body_out), content_type="application/json")
-
-    # -- app ----------------------------------------------------------------------------------
-
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        r = app.router
-        r.add_get("/health", self.health)
-        r.add_get("/health_generate", self.health_generate)
-        r.add_get("/v1/models", self.models)
-        r.add_get("/server_info", self.server_info)
-        r.add_get("/get_server_info", self.server_info)
-        r.add_get("/version", self.version)
-        r.add_get("/metrics", self.metrics)
-        r.add_post("/flush_cache", self.flush_cache)
-        r.add_get("/flush_cache", self.flush_cache)
-        r.add_post("/v1/completions", self.completions)
-        r.add_post("/v1/chat/completions", self.chat_completions)
-        r.add_post("/generate", self.generate)
-        app.middlewares.append(self._errors_middleware)
-        return app
-
-    @web.middleware
-    async def _errors_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except web.HTTPException as e:
-            if e.status == 405:
-                return self.error(405, f"{request.method} is not allowed on {request.path}", etype="MethodNotAllowed")
-            if e.status == 404:
-                return self.error(404, f"no route {request.path}")
-            if e.status == 413:
-                return self.error(413, "request body too large (64 MiB max)", etype="PayloadTooLarge")
-            raise
-        except BadRequest as e:
-            return self.error(400, str(e), e.param)
+async def _watch_parent(parent: int) -> None:
+    """Exit at once when the launching process is gone (re-parented: getppid() changes)."""
+    while True:
+        if os.getppid() != parent:
+            print(f"[kimi-ref] parent {parent} is gone; exiting", file=sys.stderr, flush=True)
+            os._exit(1)
+        await asyncio.sleep(0.25)
 
 
 async def _amain(args: argparse.Namespace) -> None:
     srv = ReferenceServer(args)
     srv.loop = asyncio.get_running_loop()
-    runner = web.AppRunner(srv.app(), access_log=None, handle_signals=False)
+    runner = web.AppRunner(srv.app(), access_log=None, handle_signals=False, shutdown_timeout=args.shutdown_grace_s)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, reuse_address=False)
     try:
@@ -595,6 +132,10 @@ async def _amain(args: argparse.Namespace) -> None:
         print(f"[kimi-ref] cannot bind {args.host}:{args.port}: {e}", file=sys.stderr, flush=True)
         raise SystemExit(98) from None
     print(f"[kimi-ref] listening on http://{args.host}:{args.port} (pid {os.getpid()}); loading model", flush=True)
+    watch = None
+    parent = os.environ.get(PARENT_ENV, "")
+    if parent.isdigit():
+        watch = asyncio.ensure_future(_watch_parent(int(parent)))
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         srv.loop.add_signal_handler(sig, stop.set)
@@ -608,12 +149,21 @@ async def _amain(args: argparse.Namespace) -> None:
 
     load.add_done_callback(_loaded)
     await stop.wait()
-    print("[kimi-ref] shutting down", flush=True)
+    # end the open requests first (streams get an error event), then close the HTTP side within the
+    # grace period, then stop the engine: stopping the engine first left streams waiting forever
+    n = srv.begin_shutdown()
+    print(f"[kimi-ref] shutting down ({n} open request(s) ended)", flush=True)
+    await runner.cleanup()
     if srv.engine is not None:
         srv.engine.stop()
-    await runner.cleanup()
+    if watch is not None:
+        watch.cancel()
     if srv.load_error:
         raise SystemExit(2)
+    if not load.done():
+        # still loading (SIGTERM during the load): the loader thread cannot be interrupted, and
+        # asyncio.run would wait for it; the process has nothing left to finish
+        os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> None:
