@@ -511,7 +511,7 @@ def _cli(argv: list[str] | None = None) -> int:
     store = BaselineStore(_P(ns.dir) / f"{prof.name}.json", prof.name)
     have = store.get(entry.key)
     measured = sorted(n for n in metrics if have is not None and n in have.metrics
-                      and have.metrics[n].provenance is not None and not have.metrics[n].provenance.external)
+                      and not _external(have.metrics[n].provenance))
     if measured:
         # a measurement of this suite is what replaces a typed-in figure, never the other way round
         ap.error(f"{store.path}: {entry.key.id()} already has measured {', '.join(measured)}; an external figure "
@@ -522,3 +522,8 @@ def _cli(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(_cli())
+
+
+def _external(prov: Any) -> bool:
+    """Whether a metric's provenance marks a typed-in external figure (None: a measurement)."""
+    return prov is not None and bool(prov.external)

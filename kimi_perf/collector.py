@@ -44,7 +44,7 @@ class PerfCollector:
         cfg = self.config
         for name, value in report.user_properties:
             if name == PROP:
-                rec = json.loads(value) if isinstance(value, str) else value
+                rec: dict[str, Any] = json.loads(value) if isinstance(value, str) else dict(value)  # type: ignore[call-overload]
                 rec["outcome"] = report.outcome
                 self.s.results.append(rec)
                 end_session_on_signals(cfg)  # the xdist controller collects nothing: its first sign of a run

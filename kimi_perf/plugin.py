@@ -126,7 +126,10 @@ def _install_progress_sink(config: pytest.Config) -> None:
                 tr.write_line(line)
 
     progress.set_sink(sink)
-    config.add_cleanup(lambda: progress.set_sink(None))
+    def unsink() -> None:  # set_sink returns the previous sink; a cleanup returns nothing
+        progress.set_sink(None)
+
+    config.add_cleanup(unsink)
 
 
 def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:

@@ -22,7 +22,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["DOCS_PATH", "SCHEMA_NAME", "engine_docs", "main", "markdown", "scaffold", "schema", "top_level"]
+__all__ = ["DOCS_PATH", "SCHEMA_NAME", "engine_docs", "markdown", "scaffold", "schema", "top_level"]
 
 SCHEMA_NAME = "profile.schema.json"
 DOCS_PATH = "docs/profiles.md"
@@ -411,56 +411,3 @@ def scaffold(model_dir: str, name: str, *, hardware: str = "cpu", engine: str = 
                                 "are starting values; measure this machine's noise (pytest -m ab --perf-ab same) "
                                 "and record baselines (--perf-update-baselines) before gating on them"},
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import sys
-    from pathlib import Path
-
-    ap = argparse.ArgumentParser(prog="python -m kimi_perf.profiles", description="Check, describe or scaffold "
-                                 "kimi-perf profiles (the format: docs/profiles.md).")
-    sub = ap.add_subparsers(dest="verb", required=True)
-    c = sub.add_parser("check", help="load each FILE with the suite's parser; exit 1 on the first bad one")
-    c.add_argument("files", nargs="+")
-    sub.add_parser("schema", help="print the profile JSON Schema (kimi_perf/profile.schema.json)")
-    sub.add_parser("docs", help="print the profile reference (docs/profiles.md)")
-    n = sub.add_parser("new", help="write a starting profile for a model directory")
-    n.add_argument("--model", required=True, help="transformers model directory (config.json, tokenizer)")
-    n.add_argument("--name", required=True, help="profile name (also the file name)")
-    n.add_argument("--hardware", choices=("cpu", "cuda"), default="cpu")
-    n.add_argument("--engine", choices=("reference", "vllm", "sglang"), default="reference")
-    n.add_argument("--out", default=None, help="where to write it (default profiles/NAME.json)")
-    ns = ap.parse_args(argv)
-    from .profiles import ProfileError, load_profile
-
-    if ns.verb == "schema":
-        sys.stdout.write(json.dumps(schema(), indent=2) + "\n")
-        return 0
-    if ns.verb == "docs":
-        sys.stdout.write(markdown())
-        return 0
-    if ns.verb == "check":
-        for f in ns.files:
-            try:
-                p = load_profile(Path(f))
-            except ProfileError as e:
-                print(f"FAIL {f}: {e}", file=sys.stderr)
-                return 1
-            print(f"ok   {f}: profile {p.name} ({p.hardware}), engines {', '.join(p.engines)}")
-        return 0
-    out = Path(ns.out or f"profiles/{ns.name}.json")
-    if out.exists():
-        raise SystemExit(f"new: {out} exists; pick another --name or --out")
-    if out.stem != ns.name:
-        raise SystemExit(f"new: the file must be named after the profile: {ns.name}.json, not {out.name}")
-    doc = scaffold(ns.model, ns.name, hardware=ns.hardware, engine=ns.engine)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
-    try:
-        load_profile(out)
-    except ProfileError as e:  # the scaffold must load; say so rather than leave a broken file
-        out.unlink()
-        raise SystemExit(f"new: the scaffold did not load ({e}); this is a bug") from None
-    print(f"wrote {out}: edit the workload and gates, then run pytest -m perf --perf-profile {out}")
-    return 0

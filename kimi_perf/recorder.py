@@ -119,7 +119,7 @@ class PerfGate:
         # the gated list here and come back as REF decisions below, so they never trigger a confirming
         # re-measurement and never FAIL on magnitude (issue 16 item 2)
         refs = {m: entry.metrics[m] for m in gated if entry is not None and m in entry.metrics
-                and entry.metrics[m].provenance is not None and entry.metrics[m].provenance.external}
+                and (p := entry.metrics[m].provenance) is not None and p.external}
         gated = [m for m in gated if m not in refs]
 
         def base_of(m: str) -> Sequence[float] | None:
@@ -152,8 +152,9 @@ class PerfGate:
         if refs:
             from .stats import reference_comparison
 
-            decisions += [reference_comparison(METRICS[m], r.samples, samples[m], source=r.provenance.source or "?",
-                                               unknown=r.provenance.unknown or "?")
+            decisions += [reference_comparison(METRICS[m], r.samples, samples[m],
+                                               source=(r.provenance.source if r.provenance else None) or "?",
+                                               unknown=(r.provenance.unknown if r.provenance else None) or "?")
                           for m, r in refs.items()]
         if s.update:
             decisions = [replace(d, verdict="UPDATED", reason=f"recorded as baseline (was: {d.verdict}, {d.reason})")
@@ -166,7 +167,7 @@ class PerfGate:
         self.decisions += decisions
         if confirmed_from is not None:
             extra = {**(extra or {}), "first_measurement": confirmed_from}
-        record = {
+        record: dict[str, Any] = {
             "nodeid": self.node.nodeid, "key": key.as_dict(), "engine_version": engine_version,
             "baseline_engine_version": entry.engine_version if entry else None,
             "samples": {m: [float(v) for v in vals if _finite(v)] for m, vals in samples.items()},
@@ -212,7 +213,7 @@ class PerfGate:
                        workload="+".join(p.workload.key for p in probes) or scenario,
                        concurrency=max((p.workload.concurrency for p in probes), default=1))
         ab = {**outcome.to_json(), "base_spec": s.ab.describe() if s.ab else None}
-        record = {
+        record: dict[str, Any] = {
             "nodeid": self.node.nodeid, "key": key.as_dict(), "engine_version": outcome.versions.get("candidate"),
             "baseline_engine_version": outcome.versions.get("base"), "samples": {}, "decisions": [],
             "ab": ab, "extra": dict(extra or {}), "time": time.time(),

@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .results import RequestRecord
-from .workload import Workload
+from .workload import Dataset, Workload
 
 __all__ = ["SLOSpec", "good_request", "goodput", "knee", "parse_slo"]
 
@@ -43,7 +43,7 @@ class SLOSpec:
     max_concurrency: int = 64  # requests in flight at most (vLLM's --max-concurrency)
     # prompts: "random" ids of the throughput workload's length, or "sharegpt-multiturn" (ShareGPT V3
     # conversations replayed turn by turn with their history, up to that length)
-    dataset: str = "random"
+    dataset: Dataset = "random"
 
     def objectives(self) -> dict[str, float]:
         """The objectives that are set, by the per-request metric they bound."""

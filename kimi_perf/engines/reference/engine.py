@@ -405,6 +405,7 @@ class Engine:
         r = self.runner
         seqs = self.running
         k = self.spec_steps
+        assert self.drafter is not None, "speculative step without a drafter"
         drafts = self.drafter.propose(seqs, k)  # [B, k] target-vocab ids, python lists
         tokens = torch.tensor([[s.next_token, *d] for s, d in zip(seqs, drafts)], dtype=torch.long, device=r.device)
         cap = self._capture_for(seqs)
