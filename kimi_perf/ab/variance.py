@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from .decide import log_ratio
+
 __all__ = ["aa_bias", "pair_log_ratios", "second_launch_effect", "variance_components"]
 
 LEVELS = ("trial", "launch", "block")
@@ -46,10 +48,11 @@ def pair_log_ratios(trials: Sequence[Mapping[str, Any]], probe: str, metric: str
             if p.get("probe") != probe:
                 continue
             b, c = p.get(f"base_{metric}"), p.get(f"candidate_{metric}")
-            if b is None or c is None or not (b > 0 and c > 0 and math.isfinite(b) and math.isfinite(c)):
+            y = log_ratio(float("nan") if b is None else b, float("nan") if c is None else c)
+            if not math.isfinite(y):
                 continue
             rnd = int(p.get("launch", 0))
-            rows.append({"trial": ti, "launch": rnd, "block": int(p["block"]), "y": math.log(c / b),
+            rows.append({"trial": ti, "launch": rnd, "block": int(p["block"]), "y": y,
                          "second": "candidate" if rnd % 2 == 0 else "base"})
     return rows
 
