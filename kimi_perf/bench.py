@@ -11,11 +11,11 @@ import contextlib
 import json
 import subprocess
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import httpjson
 from .load.client import run_workload
 from .load.results import BenchResult
 from .load.workload import Workload
@@ -44,20 +44,14 @@ class RunningServer:
     headers: dict[str, str] = field(default_factory=dict)
 
     def get_json(self, path: str, timeout: float = 30.0) -> Any:
-        req = urllib.request.Request(self.base_url + path, headers=self.headers)
-        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - loopback or --perf-url
-            return json.loads(r.read())
+        return httpjson.get_json(self.base_url + path, self.headers, timeout)
 
     def get_text(self, path: str, timeout: float = 30.0) -> str:
-        req = urllib.request.Request(self.base_url + path, headers=self.headers)
-        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - loopback or --perf-url
-            return r.read().decode()
+        return httpjson.get_text(self.base_url + path, self.headers, timeout)
 
     def post_json(self, path: str, body: Any, timeout: float = 600.0) -> Any:
-        req = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", **self.headers}, method="POST")
-        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - loopback
-            raw = r.read()
+        raw = httpjson.fetch(self.base_url + path, {"Content-Type": "application/json", **self.headers}, timeout,
+                             data=json.dumps(body).encode())
         return json.loads(raw) if raw[:1] in (b"{", b"[") else raw.decode()
 
     def death_note(self, wait_s: float = 2.0) -> str | None:
@@ -98,16 +92,20 @@ def measure(
     *,
     max_error_rate: float = 0.0,
     label: str = "",
+    tokenizer: Any = None,
 ) -> list[BenchResult]:
     """Run ``repeats`` measured repeats; each uses fresh prompts (seed + repeat) so no prefix cache
-    can serve a later repeat from an earlier one."""
+    can serve a later repeat from an earlier one. An ``api="chat"`` workload decodes its prompts with
+    ``tokenizer``, by default the one ``prompts_for`` carries (a PromptFactory's)."""
+    if workload.api == "chat" and tokenizer is None:
+        tokenizer = getattr(prompts_for, "tokenizer", None)
     results = []
     warm = list(prompts_for(workload, 10_000))[: workload.warmup]
     for i in range(repeats):
         prompts = prompts_for(workload, i)
         t0 = time.monotonic()
         res = run_workload(server.base_url, server.model, prompts, workload, warmup_prompts=warm if i == 0 else [],
-                           headers=server.headers)
+                           headers=server.headers, tokenizer=tokenizer)
         m = res.metrics
         log(f"{label or server.name} c={workload.concurrency} repeat {i + 1}/{repeats}: "
                   f"{m.get('output_throughput', float('nan')):.1f} tok/s, TPOT p50 {m.get('tpot_ms_p50', float('nan')):.1f} ms, "

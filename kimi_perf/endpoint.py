@@ -14,14 +14,14 @@ from the command line, where it would land in shell history and CI logs.
 
 from __future__ import annotations
 
-import json
 import os
 import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .httpjson import get_json
 
 __all__ = ["DEFAULT_API_KEY_ENV", "Endpoint", "EndpointError", "parse_endpoint"]
 
@@ -48,9 +48,7 @@ class Endpoint:
         return {"Authorization": f"Bearer {token}"} if token else {}
 
     def get_json(self, path: str, timeout: float = 10.0) -> Any:
-        req = urllib.request.Request(self.url + path, headers=self.headers())
-        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - the user's endpoint
-            return json.loads(r.read())
+        return get_json(self.url + path, self.headers(), timeout)
 
     def probe(self) -> dict[str, Any]:
         """Model name, engine kind and version as the endpoint reports them; EndpointError when it

@@ -29,13 +29,16 @@ from .load.workload import Workload
 from .profiles import Profile, ThroughputSpec
 from .sections import ALIGNMENT_DTYPES, Eagle3Section
 
-__all__ = ["EAGLE3_SCENARIOS", "THROUGHPUT_SCENARIOS", "eagle3_eval", "eagle3_workload", "matrix_workload", "scenario_workload",
+__all__ = ["EAGLE3_SCENARIOS", "ENDPOINT_ACCEPTANCE", "THROUGHPUT_SCENARIOS", "eagle3_eval", "eagle3_workload",
+           "endpoint_acceptance_workload", "matrix_workload", "scenario_workload",
            "prefix_workload", "prefix_workloads", "slo_workload", "throughput_workload", "unreachable"]
 
 # scenario -> which workload of the throughput section it runs (single stream or the sweep at C)
 THROUGHPUT_SCENARIOS = {"single_stream": "single", "decode_floor": "single",
                         "throughput_sweep": "sweep", "batching_gain": "sweep"}
 EAGLE3_SCENARIOS = frozenset({"eagle3_acceptance", "eagle3_speedup", "eagle3_planted_offset"})
+# --perf-url: the acceptance of whatever drafter the existing endpoint serves (its counters), on MT-bench
+ENDPOINT_ACCEPTANCE = "eagle3_endpoint_acceptance"
 
 
 def eagle3_eval(eagle3: Eagle3Section) -> tuple[int, int, int]:
@@ -52,6 +55,16 @@ def eagle3_workload(profile: Profile) -> str:
         raise ValueError(f"profile {profile.name} has no eagle3 section, so no EAGLE-3 workload")
     n, max_new, steps = eagle3_eval(profile.eagle3)
     return f"mtbench-heldout-{n}x{max_new}-k{steps}"
+
+
+def endpoint_acceptance_workload(profile: Profile) -> str:
+    """The workload key of the --perf-url acceptance test: ``eagle3.eval.prompts`` MT-bench questions
+    (seeded order, not the drafter's held-out split: the endpoint's drafter is not the suite's) of
+    ``eagle3.eval.max_new_tokens`` each; the draft steps are the endpoint's, so not in the key."""
+    if not profile.eagle3:
+        raise ValueError(f"profile {profile.name} has no eagle3 section, so no endpoint acceptance workload")
+    n, max_new, _ = eagle3_eval(profile.eagle3)
+    return f"mtbench-{n}x{max_new}-endpoint"
 
 
 def matrix_workload(profile: Profile, row: str) -> str:
@@ -109,6 +122,8 @@ def scenario_workload(profile: Profile, scenario: str, concurrency: int = 1) -> 
         return throughput_workload(profile.throughput, scenario, concurrency)
     if scenario in EAGLE3_SCENARIOS:
         return eagle3_workload(profile)
+    if scenario == ENDPOINT_ACCEPTANCE:
+        return endpoint_acceptance_workload(profile)
     if scenario == "prefix_cache":
         if profile.throughput is None:
             raise ValueError(f"profile {profile.name} has no throughput section, so no prefix_cache workload")
@@ -232,6 +247,15 @@ def unreachable(profile: Profile, key: BaselineKey) -> str | None:
         if key.concurrency != 1:
             return f"{s} runs at concurrency 1, not {key.concurrency}"
         want = eagle3_workload(profile)
+        return None if key.workload == want else f"workload {key.workload!r}: the profile's {s} runs {want!r}"
+    if s == ENDPOINT_ACCEPTANCE:
+        if not profile.eagle3:
+            return f"the profile has no eagle3 section, so no {s}"
+        if key.engine not in profile.engines:
+            return f"engine {key.engine!r} is not one of the profile's {list(profile.engines)}"
+        if key.concurrency != 1:
+            return f"{s} runs at concurrency 1, not {key.concurrency}"
+        want = endpoint_acceptance_workload(profile)
         return None if key.workload == want else f"workload {key.workload!r}: the profile's {s} runs {want!r}"
     if s == "prefix_cache":
         tp = profile.throughput

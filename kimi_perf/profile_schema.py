@@ -91,6 +91,8 @@ WORKLOAD = {
     "request_rate": "open-loop arrivals per second; \"inf\" = closed loop",
     "burstiness": "gamma shape of the arrival gaps (1 = Poisson), vLLM's --burstiness",
     "prefix_len": "dataset shared-prefix: ids every prompt of a repeat shares at its start",
+    "api": "\"completions\" (token-id prompts, exact input lengths) or \"chat\" (the prompts decoded to text, one "
+           "user message to /v1/chat/completions; random and shared-prefix datasets)",
     "extra": "extra request fields sent with every request",
 }
 
@@ -265,10 +267,11 @@ def top_level() -> dict[str, tuple[str, dict[str, Any]]]:
     from .engines.sglang import SGLangConfig
     from .engines.vllm import VLLMConfig
     from .load.slo import SLOSpec
-    from .load.workload import Workload
+    from .load.workload import APIS, Workload
     from .sections import AlignmentSection, AllReduceSection, Eagle3Section, NcclSection
 
-    workload = _obj(_props_from(Workload, WORKLOAD, extra={"request_rate": {"type": ["number", "string"]}}),
+    workload = _obj(_props_from(Workload, WORKLOAD, extra={"request_rate": {"type": ["number", "string"]},
+                                                            "api": {"enum": list(APIS)}}),
                     "a pinned workload (kimi_perf.load.workload.Workload)")
     engine_variants = []
     for kind, cls in (("reference", ReferenceEngineConfig), ("vllm", VLLMConfig), ("sglang", SGLangConfig)):

@@ -330,3 +330,53 @@ def test_acceptance_in_vllm(eagle3_drafter, eagle3_runs, perf_session, target_mo
                     workload=_workload(perf_session, eagle3_drafter), concurrency=1, samples=samples,
                     gated=["accept_length"], dependent=["accept_length"], engine_version=srv.version,
                     extra={"markdown": table})
+
+
+def test_acceptance_of_the_endpoint(perf_session, perf_engine_name, prompt_factory, perf_gate, target_model, request):
+    """--perf-url: the acceptance of the drafter the existing endpoint serves, from the engine's own
+    counters (vLLM's vllm:spec_decode_*, read before and after the pass and differenced; SGLang's
+    per-request meta_info), on MT-bench questions (kimi_perf.keys.endpoint_acceptance_workload).
+
+    Why not test_acceptance: that one trains or loads the suite's drafter and launches servers for it;
+    an endpoint serves its own drafter, so this test measures what it serves and gates it against the
+    endpoint's stored baseline. An endpoint that shows no speculative decoding has no acceptance to read:
+    a missing piece (skip, or a failure under CI=true or a named profile, kimi_perf.missing)."""
+    from fixtures.drafters import missing
+    from kimi_perf.eagle3.evaluate import speculation_evidence
+    from kimi_perf.keys import ENDPOINT_ACCEPTANCE, scenario_workload
+    from kimi_perf.load.workload import Workload
+
+    ep = perf_session.endpoint
+    if ep is None:
+        pytest.skip("runs with --perf-url only: without it, test_acceptance measures the suite's own drafter")
+    max_new, _, _ = _eval(perf_session)
+    srv = request.getfixturevalue("perf_server")
+    how = speculation_evidence(srv.base_url, srv.headers)
+    if how is None:
+        missing(perf_session, f"--perf-url {ep.url}: the endpoint reports no speculative decoding (no "
+                "vllm:spec_decode_* counters on /metrics, no speculative_algorithm in /server_info), so there "
+                "is no EAGLE-3 acceptance to read; serve it with a drafter (vLLM --speculative-config, SGLang "
+                "--speculative-algorithm EAGLE3) or deselect with -m 'not eagle'", engine_kind=srv.kind)
+    log(f"eagle3 acceptance of {ep.url}: speculative ({how})")
+    n = perf_session.profile.eagle3.eval.prompts
+    w = Workload(name="eagle3-endpoint", dataset="mtbench", input_len=4096, output_len=max_new, num_prompts=n,
+                 warmup=0, ignore_eos=False)
+    prompts = [list(p) for p in prompt_factory(w, 0)]
+    engine = srv.kind if srv.kind in ("vllm", "sglang", "reference") else None
+    runs = [measure_generation(srv.base_url, srv.model, prompts, max_new, name=f"eagle3-endpoint-{r + 1}",
+                               engine=engine, headers=srv.headers) for r in range(perf_session.repeats)]
+    if any(r.counters is None and r.server_accept_length is None for r in runs):
+        pytest.fail(f"{ep.url} showed speculative decoding ({how}) but no acceptance came back from the pass")
+    if all(abs(r.accept_length - 1.0) < 1e-9 for r in runs):
+        pytest.fail(f"[{ep.url}] accept length 1.00 on every repeat: {WIRING_HINT}")
+    repeats = {"accept_length": [r.accept_length for r in runs]}
+    if all(r.counters is not None for r in runs):
+        repeats["accept_rate"] = [r.accept_rate for r in runs]
+    samples = {m: [float(np.median(v))] for m, v in repeats.items()}
+    perf_gate.check(scenario=ENDPOINT_ACCEPTANCE, engine=perf_engine_name, model=target_model.name,
+                    workload=scenario_workload(perf_session.profile, ENDPOINT_ACCEPTANCE), concurrency=1,
+                    samples=samples, gated=["accept_length"], dependent=list(samples), engine_version=srv.version,
+                    extra={"endpoint": ep.url, "speculation": how, "acceptance_repeats": repeats,
+                           "acceptance_source": sorted({r.source for r in runs}),
+                           "pos_rates": [r.pos_rates() for r in runs]})
+    log(f"eagle3 acceptance of {ep.url}: " + ", ".join(f"{k} {v[0]:.3f}" for k, v in samples.items()))

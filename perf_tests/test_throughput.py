@@ -172,7 +172,8 @@ def test_slo_knee(perf_session, perf_server, prompt_factory, perf_gate, target_m
             w = slo.workload(tp.workload, rate)
             warm = list(prompt_factory(w, 10_000))[: w.warmup] if rep == 0 and rate == slo.rates[0] else []
             res = run_workload(perf_server.base_url, perf_server.model, prompt_factory(w, rep), w,
-                               warmup_prompts=warm, headers=perf_server.headers)
+                               warmup_prompts=warm, headers=perf_server.headers,
+                               tokenizer=prompt_factory.tokenizer if w.api == "chat" else None)
             check_errors(perf_server, res, f"{perf_server.name} SLO sweep at {rate:g} req/s", max_error_rate=0.5)
             g = goodput(res.records, res.duration_s, slo)
             att[rate] = g["slo_attainment"]

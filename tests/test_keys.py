@@ -95,3 +95,19 @@ def test_matrix_retrain_noise_keys_are_the_engines_own_rows():
     wrong = BaselineKey("eagle3_matrix_retrain", "reference", profile.model.name, "cpu-x86_64-2c",
                         matrix_workload(profile, "hf"), 1)
     assert "workload" in unreachable(profile, wrong)
+
+
+def test_the_endpoint_acceptance_key_is_built_and_checked_by_its_own_rule():
+    # --perf-url: the endpoint's own drafter on MT-bench; its key names no draft steps and no held-out split
+    from dataclasses import replace
+
+    from kimi_perf.keys import ENDPOINT_ACCEPTANCE
+
+    profile = load_profile(ROOT / "profiles" / "embedded-cpu.json")
+    n, max_new = profile.eagle3.eval.prompts, profile.eagle3.eval.max_new_tokens
+    w = scenario_workload(profile, ENDPOINT_ACCEPTANCE)
+    assert w == f"mtbench-{n}x{max_new}-endpoint"
+    ok = BaselineKey(ENDPOINT_ACCEPTANCE, "vllm", profile.model.name, "cpu-x86_64-2c", w, 1)
+    assert unreachable(profile, ok) is None
+    assert "workload" in unreachable(profile, replace(ok, workload=eagle3_workload(profile)))
+    assert "concurrency" in unreachable(profile, replace(ok, concurrency=4))

@@ -274,8 +274,8 @@ def test_eagle3_generation_runs_are_captured_for_the_running_test(monkeypatch):
     fake = BenchResult(workload=Workload(name="eagle3-eval"), records=tuple(recs),
                        metrics=compute_metrics(recs, 1), duration_s=0.4, client_cpu_s=0.0)
     monkeypatch.setattr(evaluate, "flush_cache", lambda *a, **k: SimpleNamespace(describe=lambda: "flushed"))
-    monkeypatch.setattr(evaluate, "_get_json", lambda url: None)
-    monkeypatch.setattr(evaluate, "read_spec_counters", lambda url: None)
+    monkeypatch.setattr(evaluate, "_get_json", lambda url, headers=None: None)
+    monkeypatch.setattr(evaluate, "read_spec_counters", lambda url, headers=None: None)
     monkeypatch.setattr(evaluate, "run_workload", lambda *a, **k: fake)
     results.begin_capture()
     try:

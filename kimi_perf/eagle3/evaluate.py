@@ -26,6 +26,10 @@ entrypoints/http_server.py ``flush_cache`` and managers/scheduler_components/flu
 ``SchedulerFlushWrapper``), retries with backoff up to a deadline, and then fails with the server's
 answer: a swallowed refusal would make SGLang's window silently lifetime-cumulative. vLLM has no
 ``/flush_cache`` (404), which is fine: its counters are differenced.
+
+Every call takes ``headers``: against an existing endpoint (``--perf-url``) they carry its bearer token
+(:meth:`kimi_perf.endpoint.Endpoint.headers`), which SGLang's ``--api-key`` asks for on every route and
+vLLM's on ``/v1`` (sending it to ``/metrics`` too costs nothing). Launched servers need none.
 """
 
 from __future__ import annotations
@@ -34,18 +38,19 @@ import asyncio
 import json
 import time
 import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..httpjson import get_json, get_text, post
 from ..load.client import run_workload
 from ..load.workload import Workload
 from ..promparse import counter_sum, parse_prometheus
 from ..results import note as note_repeat
 
 __all__ = ["AcceptanceResult", "FlushError", "FlushOutcome", "SGLangAcceptance", "SpecCounters",
-           "WIRING_HINT", "flush_cache", "measure_generation", "read_spec_counters", "sglang_acceptance"]
+           "WIRING_HINT", "flush_cache", "measure_generation", "read_spec_counters", "sglang_acceptance",
+           "speculation_evidence"]
 
 WIRING_HINT = (
     "accept length exactly 1.00 means no draft token was ever accepted -- a wiring fault, not drafter "
@@ -70,11 +75,12 @@ class SpecCounters:
                             tuple(x - y for x, y in zip(a, b)))
 
 
-def read_spec_counters(base_url: str) -> SpecCounters | None:
+def read_spec_counters(base_url: str, headers: Mapping[str, str] | None = None) -> SpecCounters | None:
+    """vLLM's speculative-decoding counters on ``/metrics`` (the reference engine exports the same);
+    None when the server exports none (vLLM registers them only with a ``--speculative-config``; SGLang
+    never). Differencing two reads gives a window's acceptance."""
     try:
-        url = base_url.rstrip("/") + "/metrics"
-        with urllib.request.urlopen(url, timeout=30) as r:  # noqa: S310 - loopback
-            m = parse_prometheus(r.read().decode())
+        m = parse_prometheus(get_text(base_url.rstrip("/") + "/metrics", headers, timeout=30))
     except urllib.error.HTTPError as e:
         if e.code == 404:  # SGLang started without --enable-metrics: no counters, same as none exported
             return None
@@ -92,6 +98,21 @@ def read_spec_counters(base_url: str) -> SpecCounters | None:
         i += 1
     return SpecCounters(drafts, counter_sum(m, "vllm:spec_decode_num_draft_tokens_total") or 0.0,
                         counter_sum(m, "vllm:spec_decode_num_accepted_tokens_total") or 0.0, tuple(per))
+
+
+def speculation_evidence(base_url: str, headers: Mapping[str, str] | None = None) -> str | None:
+    """How a running server shows it decodes speculatively, or None when it shows nothing: vLLM (and the
+    reference engine) register the ``vllm:spec_decode_*`` counters only with a drafter; SGLang names its
+    ``speculative_algorithm`` in ``/server_info``. What an existing endpoint (``--perf-url``) is asked
+    before its acceptance is measured: without either, there is no acceptance to read."""
+    c = read_spec_counters(base_url, headers)
+    if c is not None:
+        return f"vllm:spec_decode_* counters on /metrics ({c.drafts:.0f} drafts so far)"
+    info = _get_json(base_url.rstrip("/") + "/server_info", headers)
+    alg = str((info or {}).get("speculative_algorithm") or "").upper()
+    if alg not in ("", "NONE"):
+        return f"speculative_algorithm {alg} in /server_info"
+    return None
 
 
 @dataclass(frozen=True)
@@ -143,19 +164,11 @@ class FlushOutcome:
                 "attempts": self.attempts, "waited_s": round(self.waited_s, 3)}
 
 
-def _post(url: str, timeout_s: float) -> tuple[int, str]:
-    req = urllib.request.Request(url, data=b"", method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:  # noqa: S310 - loopback
-            return r.status, r.read().decode(errors="replace")
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode(errors="replace")
-
-
 def flush_cache(base_url: str, *, deadline_s: float = 300.0, server_wait_s: float = 30.0,
                 first_backoff_s: float = 0.5, max_backoff_s: float = 8.0,
                 sleep: Callable[[float], None] = time.sleep,
-                clock: Callable[[], float] = time.monotonic) -> FlushOutcome:
+                clock: Callable[[], float] = time.monotonic,
+                headers: Mapping[str, str] | None = None) -> FlushOutcome:
     """POST /flush_cache until the server flushes, waiting for idle; raise :class:`FlushError` with the
     server's answer when it still refuses after ``deadline_s``.
 
@@ -175,7 +188,7 @@ def flush_cache(base_url: str, *, deadline_s: float = 300.0, server_wait_s: floa
         wait = max(0.0, min(server_wait_s, deadline_s - (clock() - t0)))
         q = f"?timeout={wait:g}" if wait >= 0.5 else ""
         try:
-            status, body = _post(url + q, wait + 30.0)
+            status, body = post(url + q, b"", headers, wait + 30.0)
         except (TimeoutError, urllib.error.URLError, OSError) as e:
             reason = e.reason if isinstance(e, urllib.error.URLError) else e
             if not isinstance(reason, TimeoutError):
@@ -279,15 +292,12 @@ def sglang_acceptance(records: Sequence[Mapping[str, Any]]) -> SGLangAcceptance:
                             unusable, missing)
 
 
-def _get_json(url: str) -> dict[str, Any] | None:
+def _get_json(url: str, headers: Mapping[str, str] | None = None) -> dict[str, Any] | None:
     """The JSON object at ``url``; None only when the server has no such route (404/405: vLLM has no
     /server_info). Any other failure is raised: a /server_info that errors must not quietly turn
     SGLang's acceptance window or the engine detection into "not available"."""
-    import urllib.error
-
     try:
-        with urllib.request.urlopen(url, timeout=30) as r:  # noqa: S310 - loopback
-            data = json.loads(r.read())
+        data = get_json(url, headers, timeout=30)
     except urllib.error.HTTPError as e:
         if e.code in (404, 405):
             return None
@@ -312,7 +322,7 @@ def _server_kind(info: Mapping[str, Any] | None) -> str:
 
 
 def _generate_all(base_url: str, prompts: Sequence[Sequence[int]], max_new_tokens: int, concurrency: int,
-                  timeout_s: float) -> list[dict[str, Any]]:
+                  timeout_s: float, headers: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """Greedy non-streaming SGLang ``/generate`` for each prompt (stop at EOS, like the timed pass)."""
     import aiohttp
 
@@ -330,7 +340,8 @@ def _generate_all(base_url: str, prompts: Sequence[Sequence[int]], max_new_token
                     raise RuntimeError(f"/generate: HTTP {r.status}: {text[:300]}")
                 return json.loads(text)
 
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                         headers=dict(headers or {}) or None) as s:
             return list(await asyncio.gather(*(one(s, p) for p in prompts)))
 
     return asyncio.run(run())
@@ -338,15 +349,15 @@ def _generate_all(base_url: str, prompts: Sequence[Sequence[int]], max_new_token
 
 def _sglang_acceptance_pass(base_url: str, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                             concurrency: int, timed_texts: Sequence[str], timed_tokens: int, name: str,
-                            flush_deadline_s: float, timeout_s: float
+                            flush_deadline_s: float, timeout_s: float, headers: Mapping[str, str] | None = None
                             ) -> tuple[SpecCounters | None, dict[str, Any]]:
     from ..engines.sglang import parse_generate_response, server_info_accept_length
     from ..progress import log
 
-    fl = flush_cache(base_url, deadline_s=flush_deadline_s)
-    answers = _generate_all(base_url, prompts, max_new_tokens, concurrency, timeout_s)
+    fl = flush_cache(base_url, deadline_s=flush_deadline_s, headers=headers)
+    answers = _generate_all(base_url, prompts, max_new_tokens, concurrency, timeout_s, headers)
     recs = [parse_generate_response(r)[0] for r in answers]
-    info = _get_json(base_url.rstrip("/") + "/server_info")
+    info = _get_json(base_url.rstrip("/") + "/server_info", headers)
     window = server_info_accept_length(info) if info is not None else None
     texts = [r.get("text") or "" for r in recs]
     out: dict[str, Any] = {
@@ -381,24 +392,25 @@ def _sglang_acceptance_pass(base_url: str, prompts: Sequence[Sequence[int]], max
 
 def measure_generation(base_url: str, model: str, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                        *, name: str = "eagle3-eval", concurrency: int = 1, engine: str | None = None,
-                       flush_deadline_s: float = 300.0, request_timeout_s: float = 1800.0
-                       ) -> AcceptanceResult:
+                       flush_deadline_s: float = 300.0, request_timeout_s: float = 1800.0,
+                       headers: Mapping[str, str] | None = None) -> AcceptanceResult:
     """Greedy generation of ``prompts`` (stop at EOS, as users run it) with counters around it.
 
     ``engine``: "sglang", "reference" or "vllm"; None detects it from ``/server_info``. On a speculative
-    SGLang server the per-request acceptance pass follows the timed one (module docstring).
+    SGLang server the per-request acceptance pass follows the timed one (module docstring). ``headers``
+    go with every request (an existing endpoint's token).
     """
-    fl = flush_cache(base_url, deadline_s=flush_deadline_s)
-    info = _get_json(base_url.rstrip("/") + "/server_info")
+    fl = flush_cache(base_url, deadline_s=flush_deadline_s, headers=headers)
+    info = _get_json(base_url.rstrip("/") + "/server_info", headers)
     kind = engine or _server_kind(info)
-    before = read_spec_counters(base_url)
+    before = read_spec_counters(base_url, headers)
     w = Workload(name=name, dataset="mtbench", input_len=max(len(p) for p in prompts), output_len=max_new_tokens,
                  num_prompts=len(prompts), concurrency=concurrency, warmup=0, ignore_eos=False)
-    res = run_workload(base_url, model, prompts, w)
+    res = run_workload(base_url, model, prompts, w, headers=dict(headers or {}))
     note_repeat(res)  # the running test's per-request records (kimi_perf.results)
     if res.metrics["error_rate"] > 0:
         raise RuntimeError(f"{name}: {int(res.metrics['num_failed'])} requests failed: {res.errors[:3]}")
-    after = read_spec_counters(base_url)
+    after = read_spec_counters(base_url, headers)
     delta = after - before if (after is not None and before is not None) else None
     source = "prometheus" if delta is not None else "none"
     extra: dict[str, Any] = {"flush": fl.describe()}
@@ -408,7 +420,7 @@ def measure_generation(base_url: str, model: str, prompts: Sequence[Sequence[int
     if delta is None:  # SGLang: the window since /flush_cache, from /server_info
         from ..engines.sglang import server_info_accept_length
 
-        now = _get_json(base_url.rstrip("/") + "/server_info")
+        now = _get_json(base_url.rstrip("/") + "/server_info", headers)
         server_len = server_info_accept_length(now) if now is not None else None
         alg = str((info or {}).get("speculative_algorithm") or "").upper()
         spec_on = alg not in ("", "NONE")
@@ -416,7 +428,7 @@ def measure_generation(base_url: str, model: str, prompts: Sequence[Sequence[int
             per_req, extra["sglang"] = _sglang_acceptance_pass(
                 base_url, prompts, max_new_tokens, concurrency=concurrency, timed_texts=texts,
                 timed_tokens=tokens, name=name, flush_deadline_s=flush_deadline_s,
-                timeout_s=request_timeout_s)
+                timeout_s=request_timeout_s, headers=headers)
             if per_req is not None:
                 delta, source = per_req, "sglang-meta_info"
             if not (per_req is not None and per_req.per_pos):

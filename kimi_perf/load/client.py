@@ -8,6 +8,18 @@ vLLM and the reference engine *identically* (mission point 1). The client sends 
 chunk, and turns every failure -- HTTP error, reset connection, truncated stream, timeout -- into a
 counted error with its cause; metrics are computed from completed requests only and say how many
 failed.
+
+A workload with ``api="chat"`` streams from ``/v1/chat/completions`` instead, as vLLM's own benchmark
+client does (vllm 0.32 ``vllm/benchmarks/lib/endpoint_request_func.py``
+``async_request_openai_chat_completions``): the prompt ids decoded by the tokenizer they were drawn
+from, sent as one user message; ``max_completion_tokens``, ``ignore_eos`` (vLLM, SGLang and the
+reference engine take it on chat too) and ``stream_options.include_usage``; the content is
+``choices[0].delta.content``. Two deliberate differences from that client: the first token is the first
+chunk with content (vLLM's chat stream opens with a role-only delta whose content is "", which its
+client counts as the first token), and token counts come from the usage chunk only, so TPOT divides by
+the server's completion tokens, never by chunks (docs/metrics.md). The server applies its chat template,
+so the input length is the server's ``usage.prompt_tokens``, not ``input_len``; decoding happens before
+the measured window, never in it.
 """
 
 from __future__ import annotations
@@ -24,7 +36,7 @@ from .results import BenchResult, RequestRecord, compute_metrics
 from .sse import SSEParser
 from .workload import Workload
 
-__all__ = ["StreamOutcome", "arrival_gaps", "run_workload", "stream_completion"]
+__all__ = ["StreamOutcome", "arrival_gaps", "request_bodies", "run_workload", "stream_completion"]
 
 
 @dataclass
@@ -45,7 +57,9 @@ def _content(choice: dict[str, Any]) -> str:
     if "text" in choice:
         return choice.get("text") or ""
     delta = choice.get("delta") or {}
-    return delta.get("content") or ""
+    # a reasoning model's thinking tokens stream as delta.reasoning (vLLM >= 0.10; reasoning_content
+    # before, and SGLang's): tokens all the same, so they time TTFT and ITL like content
+    return delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
 
 
 def handle_event(out: StreamOutcome, data: str, now: float) -> bool:
@@ -143,6 +157,33 @@ def _payload(model: str, prompt: Sequence[int], w: Workload) -> dict[str, Any]:
     }
 
 
+def _chat_payload(model: str, text: str, w: Workload) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_completion_tokens": w.output_len,
+        "temperature": w.temperature,
+        "ignore_eos": w.ignore_eos,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **({"seed": w.seed} if w.temperature > 0 else {}),
+        **dict(w.extra),
+    }
+
+
+def request_bodies(model: str, prompts: Sequence[Sequence[int]], w: Workload,
+                   tokenizer: Any = None) -> tuple[str, list[dict[str, Any]]]:
+    """The route and one request body per prompt of ``w``. ``api="chat"`` decodes the ids with
+    ``tokenizer`` (the one the prompts were drawn from; ValueError without it)."""
+    if w.api != "chat":
+        return "/v1/completions", [_payload(model, p, w) for p in prompts]
+    if tokenizer is None:
+        raise ValueError(f"workload {w.name!r}: api chat sends text, so the client needs the tokenizer the "
+                         "prompts were drawn from (run_workload(..., tokenizer=...); a PromptFactory has one)")
+    texts = tokenizer.batch_decode([list(p) for p in prompts], skip_special_tokens=False)
+    return "/v1/chat/completions", [_chat_payload(model, t, w) for t in texts]
+
+
 HEARTBEAT_S = 10.0
 
 
@@ -174,18 +215,21 @@ async def _heartbeat(w: Workload, state: dict[str, Any], every: float = HEARTBEA
 
 
 async def _run(base_url: str, model: str, prompts: Sequence[Sequence[int]], w: Workload,
-               warmup_prompts: Sequence[Sequence[int]], headers: dict[str, str] | None = None) -> BenchResult:
+               warmup_prompts: Sequence[Sequence[int]], headers: dict[str, str] | None = None,
+               tokenizer: Any = None) -> BenchResult:
     import aiohttp
 
-    url = base_url.rstrip("/") + "/v1/completions"
+    route, bodies = request_bodies(model, prompts, w, tokenizer)
+    _, warm_bodies = request_bodies(model, warmup_prompts, w, tokenizer)
+    url = base_url.rstrip("/") + route
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     state: dict[str, Any] = {"phase": "warm-up", "done": 0, "n": len(warmup_prompts)}
     beat = asyncio.create_task(_heartbeat(w, state, HEARTBEAT_S))
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers or None) as session:
         warm_errors = []
-        for p in warmup_prompts:
-            o = await stream_completion(session, url, _payload(model, p, w), timeout_s=w.request_timeout_s)
+        for body in warm_bodies:
+            o = await stream_completion(session, url, body, timeout_s=w.request_timeout_s)
             state["done"] += 1
             if not o.ok:
                 warm_errors.append(o.error)
@@ -194,16 +238,16 @@ async def _run(base_url: str, model: str, prompts: Sequence[Sequence[int]], w: W
         outcomes: list[StreamOutcome | None] = [None] * len(prompts)
         gaps = arrival_gaps(w)
 
-        async def one(i: int, p: Sequence[int]) -> None:
+        async def one(i: int, body: dict[str, Any]) -> None:
             async with sem:
-                outcomes[i] = await stream_completion(session, url, _payload(model, p, w), timeout_s=w.request_timeout_s)
+                outcomes[i] = await stream_completion(session, url, body, timeout_s=w.request_timeout_s)
             state["done"] += 1
 
         cpu0 = time.process_time()
         t0 = time.perf_counter()
         tasks = []
-        for i, p in enumerate(prompts):
-            tasks.append(asyncio.create_task(one(i, p)))
+        for i, body in enumerate(bodies):
+            tasks.append(asyncio.create_task(one(i, body)))
             if gaps is not None and i + 1 < len(prompts):
                 await asyncio.sleep(gaps[i])
         await asyncio.gather(*tasks)
@@ -234,10 +278,12 @@ def run_workload(
     *,
     warmup_prompts: Sequence[Sequence[int]] | None = None,
     headers: dict[str, str] | None = None,
+    tokenizer: Any = None,
 ) -> BenchResult:
     """Run one measured repeat of ``workload`` (warm-ups first, not measured) and compute metrics.
-    ``headers`` go with every request (an existing endpoint's Authorization, ``--perf-url``)."""
+    ``headers`` go with every request (an existing endpoint's Authorization, ``--perf-url``);
+    ``tokenizer`` decodes the prompts of an ``api="chat"`` workload (unused otherwise)."""
     if len(prompts) != workload.num_prompts:
         raise ValueError(f"got {len(prompts)} prompts for a workload of num_prompts={workload.num_prompts}")
     warm = list(warmup_prompts if warmup_prompts is not None else prompts[: workload.warmup])
-    return asyncio.run(_run(base_url, model, prompts, workload, warm, headers))
+    return asyncio.run(_run(base_url, model, prompts, workload, warm, headers, tokenizer))

@@ -17,8 +17,14 @@ from typing import Any, Literal
 
 Dataset = Literal["random", "mtbench", "sharegpt", "sharegpt-multiturn", "shared-prefix"]
 DATASETS = ("random", "mtbench", "sharegpt", "sharegpt-multiturn", "shared-prefix")
+Api = Literal["completions", "chat"]
+APIS = ("completions", "chat")
+# datasets whose prompts are token ids of no chat template, so "chat" can send their decoded text as one
+# user message; the text datasets are already chat-templated ids (kimi_perf.data.chat_prompt_ids), which
+# the server would wrap in its template a second time
+CHAT_DATASETS = ("random", "shared-prefix")
 
-__all__ = ["DATASETS", "Dataset", "Workload"]
+__all__ = ["APIS", "CHAT_DATASETS", "DATASETS", "Api", "Dataset", "Workload"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,10 @@ class Workload:
     # dataset "shared-prefix": every prompt of a repeat starts with the same prefix_len random ids (a
     # system prompt, a few-shot preamble), the rest is its own: what prefix caching is for
     prefix_len: int = 0
+    # which OpenAI route the client streams from: "completions" sends the token ids as the prompt (exact
+    # input lengths); "chat" decodes them to text and sends one user message to /v1/chat/completions,
+    # so the server's chat template and chat pipeline are measured too (input length: the server's usage)
+    api: Api = "completions"
     extra: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -52,6 +62,12 @@ class Workload:
         if self.dataset == "shared-prefix" and not 0 < self.prefix_len < self.input_len:
             problems.append(f"prefix_len={self.prefix_len} (shared-prefix needs 0 < prefix_len < input_len "
                             f"{self.input_len})")
+        if self.api not in APIS:
+            problems.append(f"api {self.api!r} (use one of {', '.join(APIS)})")
+        elif self.api == "chat" and self.dataset not in CHAT_DATASETS:
+            problems.append(f"api chat with dataset {self.dataset} (its prompts are already chat-templated "
+                            f"ids: use api completions, which sends exactly that chat prompt, or a dataset of "
+                            f"{', '.join(CHAT_DATASETS)})")
         if self.dataset != "shared-prefix" and self.prefix_len:
             problems.append(f"prefix_len={self.prefix_len} (only the shared-prefix dataset has a prefix)")
         for f in ("input_len", "output_len", "num_prompts", "concurrency"):
@@ -97,7 +113,7 @@ class Workload:
         d = self.to_dict()
         for k in ("concurrency", "request_timeout_s", "name"):
             d.pop(k)
-        for k, default in (("burstiness", 1.0), ("prefix_len", 0)):  # added later: keys that leave them
+        for k, default in (("burstiness", 1.0), ("prefix_len", 0), ("api", "completions")):  # added later: keys that leave them
             if d[k] == default:  # at the default stay as stored
                 d.pop(k)
         digest = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:8]
