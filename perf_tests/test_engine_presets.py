@@ -32,7 +32,8 @@ def test_nccl_preset_ab(perf_session, target_model, server_pool, prompt_factory,
     for r in range(perf_session.repeats):
         for p, cfg in cfgs.items():  # interleaved: drift in the machine hits both presets alike
             srv = server_pool.get(cfg, exclusive=True)
-            res = measure(srv, w, lambda wl, i, _r=r: prompt_factory(wl, 100 * _r + i), 1, label=f"{eng} [{p}]")
+            res = measure(srv, w, lambda wl, i, _r=r: prompt_factory(wl, 100 * _r + i), 1, label=f"{eng} [{p}]",
+                          tokenizer=prompt_factory.tokenizer)
             tput[p] += samples_of(res, ["output_throughput"])["output_throughput"]
     ratios = [b / a for a, b in zip(tput[base], tput[perf_nccl_preset])]
     perf_gate.check(scenario=f"nccl_ab:{perf_nccl_preset}-vs-{base}", engine=eng, model=target_model.name,

@@ -217,8 +217,10 @@ def test_prefix_caching_ttft(perf_session, perf_engine_name, server_pool, prompt
     base, shared = prefix_workloads(tp, c)
     ratios, ttft_shared, ttft_random = [], [], []
     for rep in range(perf_session.repeats):
-        s = measure(srv, shared, lambda w, i, rep=rep: prompt_factory(w, rep * 100 + i), 1, label=f"{srv.name} shared prefix")[0]
-        r = measure(srv, base, lambda w, i, rep=rep: prompt_factory(w, rep * 100 + i), 1, label=f"{srv.name} random")[0]
+        s = measure(srv, shared, lambda w, i, rep=rep: prompt_factory(w, rep * 100 + i), 1, label=f"{srv.name} shared prefix",
+                    tokenizer=prompt_factory.tokenizer)[0]
+        r = measure(srv, base, lambda w, i, rep=rep: prompt_factory(w, rep * 100 + i), 1, label=f"{srv.name} random",
+                    tokenizer=prompt_factory.tokenizer)[0]
         ttft_shared.append(s.metrics["ttft_ms_p50"])
         ttft_random.append(r.metrics["ttft_ms_p50"])
         ratios.append(s.metrics["ttft_ms_p50"] / r.metrics["ttft_ms_p50"])

@@ -2,7 +2,8 @@
 
 The end-to-end test starts a real vLLM (CPU build) server itself, outside the suite, with an API key,
 and runs the suite's throughput tests against it in a separate pytest process, as a CI job that
-deploys its server separately would."""
+deploys its server separately would; then the endpoint EAGLE-3 acceptance test, which skips (and fails
+under CI=true) because this server serves no drafter; then a chat workload through the library."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def _vllm_python() -> Path | None:
 
 
 @pytest.mark.slow
-def test_the_suite_measures_an_existing_vllm_server_through_perf_url(tmp_path):
+def test_the_suite_measures_an_existing_vllm_server_through_perf_url(tmp_path, monkeypatch):
     from kimi_perf.launcher import free_port
     from kimi_perf.models.embedded import ensure_embedded_model
 
@@ -89,9 +90,11 @@ def test_the_suite_measures_an_existing_vllm_server_through_perf_url(tmp_path):
         # without the token the probe says which variable to set
         with pytest.raises(EndpointError, match="export KIMI_PERF_API_KEY"):
             Endpoint(url).probe()
-        env = {**os.environ, "KIMI_PERF_API_KEY": "s3cret"}
+        # outside CI a missing piece skips; the CI=true run below checks that it fails there
+        env = {**{k: v for k, v in os.environ.items() if k != "CI"}, "KIMI_PERF_API_KEY": "s3cret"}
         args = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", "-m", "perf",
-                "-k", "test_single_stream_decode or test_concurrency_sweep or test_acceptance_in_vllm",
+                "-k", "test_single_stream_decode or test_concurrency_sweep or test_acceptance_in_vllm "
+                      "or test_acceptance_of_the_endpoint",
                 f"--perf-url={url}", "--perf-engine", "vllm", f"--perf-tokenizer={model}", "--perf-repeats", "1",
                 f"--perf-report-dir={tmp_path / 'report'}", f"--perf-baseline-dir={tmp_path / 'baselines'}",
                 "--perf-history=off", "perf_tests/test_throughput.py", "perf_tests/test_eagle3.py"]
@@ -104,6 +107,34 @@ def test_the_suite_measures_an_existing_vllm_server_through_perf_url(tmp_path):
         assert "--perf-url " + url + " measures an existing endpoint" in out, out[-3000:]
         run = (tmp_path / "report" / "run.json").read_text()
         assert '"decode_tok_s"' in run and '"vllm"' in run
+        # EAGLE-3 acceptance of the endpoint: no drafter served, so no spec counters: a skip saying so ...
+        assert "the endpoint reports no speculative decoding" in out, out[-3000:]
+        # ... and under CI=true a failure (kimi_perf.missing), not a green run with nothing measured
+        k = args.index("-k")
+        ci = subprocess.run([*args[:k + 1], "test_acceptance_of_the_endpoint", *args[k + 2:]], cwd=ROOT,
+                            env={**env, "CI": "true"}, capture_output=True, text=True, timeout=600)
+        assert ci.returncode == 1, (ci.stdout + ci.stderr)[-3000:]
+        assert "a failure, not a skip: CI=true" in ci.stdout, ci.stdout[-3000:]
+
+        # a chat workload through the same token: /v1/chat/completions, tokens and TPOT from vLLM's usage
+        from kimi_perf.bench import RunningServer, measure
+        from kimi_perf.load.prompts import PromptFactory
+        from kimi_perf.load.workload import Workload
+
+        monkeypatch.setenv("KIMI_PERF_API_KEY", "s3cret")
+        srv = RunningServer(name="vllm", kind="vllm", base_url=url, model="smol", process=None, config=None,
+                            headers=Endpoint(url).headers())
+        w = Workload(name="chat", api="chat", input_len=48, output_len=12, num_prompts=4, concurrency=2, warmup=1)
+        res = measure(srv, w, PromptFactory(model), 1, label="vllm chat")[0]
+        assert res.metrics["num_failed"] == 0, res.errors
+        for r in res.records:
+            assert r.completion_tokens == 12  # ignore_eos took: exactly max_completion_tokens, per usage
+            assert r.server_prompt_tokens is not None and r.server_prompt_tokens > 0
+            assert r.tpot == pytest.approx((r.e2el - r.ttft) / 11)
+        assert res.metrics["total_output_tokens"] == 48
+        assert res.metrics["total_input_tokens"] == sum(r.server_prompt_tokens for r in res.records)
+        # the chat template wraps the decoded prompt: the server saw more than the 48 drawn ids
+        assert all(r.server_prompt_tokens > 48 for r in res.records)
     finally:
         import signal
 

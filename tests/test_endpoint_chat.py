@@ -173,6 +173,7 @@ def test_a_chat_workload_runs_through_the_token_and_counts_the_servers_tokens():
     assert res.metrics["num_failed"] == 0, res.errors
     assert [b["messages"] for b in bodies] == [[{"role": "user", "content": "w1 w2 w3 w4"}]] * 3
     assert res.metrics["total_output_tokens"] == 18
+    assert res.metrics["total_input_tokens"] == 3 * 34  # the server's templated prompt, not the 4 drawn ids
     assert all(r.completion_tokens == 6 and r.server_prompt_tokens == 34 and r.tpot is not None
                for r in res.records)
 

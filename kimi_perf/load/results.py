@@ -140,7 +140,10 @@ def compute_metrics(
     tokens = sum(r.completion_tokens or 0 for r in ok)
     m["duration_s"] = duration_s
     m["total_output_tokens"] = float(tokens)
-    m["total_input_tokens"] = float(sum(r.prompt_len for r in ok))
+    # the server's count where it reported one: a chat request's prompt is the decoded text in the
+    # server's chat template, longer than the ids the client drew (for token-id completions they agree)
+    m["total_input_tokens"] = float(sum(r.server_prompt_tokens if r.server_prompt_tokens is not None
+                                        else r.prompt_len for r in ok))
     m["output_throughput"] = tokens / duration_s if duration_s > 0 else float("nan")
     m["request_throughput"] = len(ok) / duration_s if duration_s > 0 else float("nan")
     ttft = [r.ttft * 1000 for r in ok if r.ttft is not None]
