@@ -129,11 +129,11 @@ async def stream_completion(
     return out
 
 
-def _payload(model: str, prompt: Sequence[int], w: Workload) -> dict[str, Any]:
+def _payload(model: str, prompt: Sequence[int], w: Workload, max_tokens: int | None = None) -> dict[str, Any]:
     return {
         "model": model,
         "prompt": list(prompt),
-        "max_tokens": w.output_len,
+        "max_tokens": w.output_len if max_tokens is None else max_tokens,
         "temperature": w.temperature,
         "ignore_eos": w.ignore_eos,
         "stream": True,
@@ -193,10 +193,12 @@ async def _run(base_url: str, model: str, prompts: Sequence[Sequence[int]], w: W
         sem = asyncio.Semaphore(w.concurrency)
         outcomes: list[StreamOutcome | None] = [None] * len(prompts)
         gaps = arrival_gaps(w)
+        lens = w.output_lens(len(prompts))
 
         async def one(i: int, p: Sequence[int]) -> None:
             async with sem:
-                outcomes[i] = await stream_completion(session, url, _payload(model, p, w), timeout_s=w.request_timeout_s)
+                outcomes[i] = await stream_completion(session, url, _payload(model, p, w, lens[i]),
+                                                      timeout_s=w.request_timeout_s)
             state["done"] += 1
 
         cpu0 = time.process_time()
@@ -215,7 +217,7 @@ async def _run(base_url: str, model: str, prompts: Sequence[Sequence[int]], w: W
         assert oc is not None
         o = oc
         records.append(RequestRecord(
-            index=i, prompt_len=len(p), max_tokens=w.output_len, ok=o.ok, error=o.error,
+            index=i, prompt_len=len(p), max_tokens=lens[i], ok=o.ok, error=o.error,
             t_send=o.t_send - t0, t_first=(o.t_first - t0) if o.t_first is not None else None,
             t_end=o.t_end - t0, chunk_times=tuple(t - t0 for t in o.chunk_times),
             completion_tokens=o.completion_tokens, server_prompt_tokens=o.prompt_tokens,
