@@ -27,7 +27,7 @@ print(ensure_dummy_model('llama-3.1-8b', DUMMY_SHAPES['llama-3.1-8b']))"
   du -sh .carry
   ;;
 run)
-  mkdir -p /tmp/kcache && cp -r --update=none .carry/kcache/. /tmp/kcache/
+  mkdir -p /tmp/kcache && cp -rn .carry/kcache/. /tmp/kcache/ 2>/dev/null
   export KIMI_PERF_CACHE=/tmp/kcache NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
   export KIMI_PERF_COMMIT=$(cat .carry/COMMIT 2>/dev/null)
   if [ ! -f /tmp/kimi-lease/power/state.json ]; then
