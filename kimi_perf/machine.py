@@ -137,6 +137,11 @@ def commit_info(cwd: str | Path | None = None) -> dict[str, Any]:
 
     sha = git("rev-parse", "HEAD")
     if sha is None:
+        # a tree copied without its .git (a GPU lease's working copy, a CI artifact) names its commit in
+        # the environment: ours first, then what GitHub Actions and GitLab CI set
+        for var in ("KIMI_PERF_COMMIT", "GITHUB_SHA", "CI_COMMIT_SHA"):
+            if os.environ.get(var):
+                return {"id": os.environ[var], "source": f"environment variable {var} (no git checkout)"}
         return {}
     return {
         "id": sha,

@@ -44,7 +44,7 @@ from .engines.reference import PLANT_ENV
 from .metrics import METRICS
 from .progress import log
 
-__all__ = ["ProcessSide", "clopper_pearson", "replay", "summarize"]
+__all__ = ["ProcessSide", "clopper_pearson", "replay", "study_entry", "summarize"]
 
 TARGETS = {"cpu": {"false_fail_max": 0.01, "detect": {"0.1": 0.95}, "verdict_s_max": 600},
            "cuda": {"false_fail_max": 0.01, "detect": {"0.05": 0.95}, "verdict_s_max": 300}}
@@ -226,13 +226,26 @@ def markdown(doc: dict[str, Any]) -> str:
                    f"{rp['inconclusive_rate']:.3f} |" if rp else "- | - |"))
         lines.append("")
         lines += _noise_lines(s.get("conditions", {}))
+    old = [(label, e) for label, es in doc.get("superseded", {}).items() for e in es]
+    if old:
+        lines += ["## Superseded studies", "", "Earlier studies of a machine under another A/B policy, kept in the "
+                  "JSON (`superseded`) as what the current policy was resized from.", "",
+                  "| machine | policy | servers | planted: verdicts (PASS/FAIL/INCONCLUSIVE) |", "|---|---|---|---|"]
+        for label, e in old:
+            counts = Counter((f"{t['plant']:g}", t["verdict"]) for t in e.get("trials", []) if not t.get("error"))
+            per = "; ".join(f"{float(p):.0%}: {counts[(p, 'PASS')]}/{counts[(p, 'FAIL')]}/{counts[(p, 'INCONCLUSIVE')]}"
+                            for p in sorted({p for p, _ in counts}, key=float))
+            sp = e["spec"]
+            lines.append(f"| {label} | threshold {sp['threshold']:.1%}, blocks {sp['min_blocks']}-{sp['max_blocks']}, "
+                         f"{_launches(sp)} | {e.get('servers', '?')} | {per} |")
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
 def _launches(spec: dict[str, Any]) -> str:
     """A stored entry's launch schedule (entries recorded before launch rounds say ``relaunch``)."""
     return describe_launches(spec.get("blocks_per_launch", 1 if spec.get("relaunch", True) else 0),
-                             bool(spec.get("pin_cpus")))
+                             bool(spec.get("pin_cpus")), bool(spec.get("parallel_launch")))
 
 
 def _noise_lines(conditions: dict[str, Any]) -> list[str]:
@@ -257,6 +270,21 @@ def _noise_lines(conditions: dict[str, Any]) -> list[str]:
             out.append(f"| {float(plant):.0%} | {key} | {n['components']['pairs']} | {sd('pair')} | {sd('block')} | "
                        f"{sd('launch')} | {sd('trial')} | {bias} | {sec} |")
     return out + [""] if out else []
+
+
+def study_entry(doc: dict[str, Any], label: str, config: dict[str, Any]) -> dict[str, Any]:
+    """The machine's entry to continue: the stored one when it ran the same A/B policy and probes, else
+    a fresh one. An earlier study of the machine under another policy is evidence too (what the policy
+    was resized from), so it moves to ``doc["superseded"][label]`` instead of being overwritten."""
+    entry = doc.setdefault("machines", {}).get(label)
+    same = entry is not None and all(entry.get(k) == json.loads(json.dumps(config[k])) for k in ("spec", "probes"))
+    if entry is not None and same:
+        return entry
+    if entry is not None:
+        log(f"power: {label} has trials of another configuration; moving them to superseded[{label}] and "
+            "starting that machine's entry afresh")
+        doc.setdefault("superseded", {}).setdefault(label, []).append(entry)
+    return {**config, "trials": []}
 
 
 def _target(profile: Any) -> tuple[str, Path, str]:
@@ -332,12 +360,8 @@ def main(argv: list[str] | None = None) -> int:
                            else {"kimi_perf_gate_power": 1, "machines": {}})
     spec_json = {k: (dict(v) if hasattr(v, "items") else v) for k, v in asdict(spec).items()}
     probes_json = [{"name": p.name, "workload": p.workload.to_dict(), "gated": list(p.gated)} for p in probes]
-    entry = doc["machines"].get(label)
-    if entry is None or entry.get("spec") != json.loads(json.dumps(spec_json)) or entry.get("probes") != probes_json:
-        if entry is not None:
-            log(f"power: {out_path} has {label} trials of another configuration; starting that machine's entry afresh")
-        entry = {"profile": profile.name, "engine": ns.engine, "hardware_class": profile.hardware, "spec": spec_json,
-                 "probes": probes_json, "trials": []}
+    entry = study_entry(doc, label, {"profile": profile.name, "engine": ns.engine, "hardware_class": profile.hardware,
+                                     "spec": spec_json, "probes": probes_json})
     entry["servers"] = ("launched once per side and condition, reused by every trial (launch effect not sampled)"
                         if ns.reuse_servers else f"launched by every trial: {_launches(spec_json)}")
     entry["engine_settings"] = {k: v for k, v in over.items() if k != "load_format"}
@@ -355,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         # other machines' entries may have been merged into the file meanwhile: keep them
         current = json.loads(out_path.read_text()) if out_path.is_file() else doc
         current.setdefault("machines", {})[label] = entry
+        if label in doc.get("superseded", {}):
+            current.setdefault("superseded", {})[label] = doc["superseded"][label]
         from .baselines import atomic_write_json
 
         atomic_write_json(out_path, current)

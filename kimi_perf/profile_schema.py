@@ -91,6 +91,9 @@ WORKLOAD = {
     "request_rate": "open-loop arrivals per second; \"inf\" = closed loop",
     "burstiness": "gamma shape of the arrival gaps (1 = Poisson), vLLM's --burstiness",
     "prefix_len": "dataset shared-prefix: ids every prompt of a repeat shares at its start",
+    "output_len_range_ratio": "r: each request's max_tokens drawn from [output_len(1-r), output_len(1+r)] "
+                              "(vLLM's --random-range-ratio, outputs only; 0 = fixed); staggers the ends of a "
+                              "closed-loop batch",
     "api": "\"completions\" (token-id prompts, exact input lengths) or \"chat\" (the prompts decoded to text, one "
            "user message to /v1/chat/completions; random and shared-prefix datasets)",
     "extra": "extra request fields sent with every request",
@@ -113,6 +116,7 @@ AB = {
     "accept_prompts": "held-out prompts for the accept-length A/B (each prompt is a pair)",
     "pin_cpus": "pin each side's server and the client to disjoint cores",
     "client_cpus": "CPUs given to the client when pinning",
+    "parallel_launch": "start both sides' servers at once and warm them up after (launches of tens of seconds)",
     "relaunch": "older spelling of blocks_per_launch: true = 1, false = 0",
 }
 
@@ -282,8 +286,10 @@ def top_level() -> dict[str, tuple[str, dict[str, Any]]]:
     ab_props["relaunch"] = {"type": "boolean", "description": AB["relaunch"]}
     for k in ("single_stream", "top"):
         ab_props[k] = {"type": "object", "description": AB[k],
-                       "properties": {w: {"type": "integer", "description": WORKLOAD[w]}
-                                      for w in ("num_prompts", "output_len", "input_len", "warmup")},
+                       "properties": {**{w: {"type": "integer", "description": WORKLOAD[w]}
+                                         for w in ("num_prompts", "output_len", "input_len", "warmup")},
+                                      "output_len_range_ratio": {"type": "number", "minimum": 0, "exclusiveMaximum": 1,
+                                                                 "description": WORKLOAD["output_len_range_ratio"]}},
                        "additionalProperties": False}
     return {
         "name": (TOP["name"], {"type": "string"}),

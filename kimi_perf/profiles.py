@@ -134,7 +134,7 @@ _INT_BOUNDS = {"repeats": (1, 100), "min_gpus": (0, 64), "prompts_per_concurrenc
 _WORKLOAD_INT = {"input_len": (1, 1 << 20), "output_len": (1, 1 << 20), "num_prompts": (1, 100_000),
                  "concurrency": (1, MAX_CONCURRENCY), "warmup": (0, 1000), "seed": (0, 2**63 - 1)}
 _WORKLOAD_NUM = {"temperature": (0.0, 100.0), "request_timeout_s": (0.001, 86_400.0),
-                 "request_rate": (1e-6, math.inf)}
+                 "request_rate": (1e-6, math.inf), "output_len_range_ratio": (0.0, 0.99)}
 
 
 def _int(path: Path, key: str, v: Any, lo: int, hi: int) -> int:

@@ -242,7 +242,11 @@ def test_layer_mismatch_collapses_acceptance_and_is_named(eagle3_runs, eagle3_dr
     (written for SGLang's Llama, read by a vLLM-convention engine) feeds every feature one layer off.
     Acceptance must drop, and the alignment check must say "off-by-one layer id"."""
     from kimi_perf.alignment.diagnose import AlignmentError, check_served_layers
-    from kimi_perf.eagle3.model import Eagle3Config, aux_ids_for_engine, effective_aux_layers
+    from kimi_perf.engines.reference.drafter_model import (
+        Eagle3Config,
+        aux_ids_for_engine,
+        effective_aux_layers,
+    )
 
     _reference_selected(perf_session)
     cfg = json.loads((eagle3_drafter.path / "config.json").read_text())

@@ -302,7 +302,7 @@ def test_sglang_planted_layer_offset_is_named(planted_engine, alignment, perf_se
     reported next to the correctly served drafter's."""
     from kimi_perf.alignment.plan import PlanError, drafter_aux_layers, planted_sglang_offset
     from kimi_perf.eagle3.evaluate import measure_generation
-    from kimi_perf.eagle3.model import sglang_aux_convention
+    from kimi_perf.engines.reference.drafter_model import sglang_aux_convention
     from kimi_perf.plugin import PerfWarning
 
     s, name = perf_session, planted_engine
@@ -370,7 +370,7 @@ def test_sglang_planted_layer_offset_is_named(planted_engine, alignment, perf_se
     if not rule_rep.ok:
         pytest.fail(f"SGLang {cap.version} does not capture what its layer-id rule says for explicit ids "
                     f"{list(plant.written)} (expected entering layers {list(plant.served)}): the suite's mapping "
-                    "(kimi_perf.eagle3.model.effective_aux_layers) is wrong for this release:\n  "
+                    "(kimi_perf.engines.reference.drafter_model.effective_aux_layers) is wrong for this release:\n  "
                     + "\n  ".join(v.message or "" for v in rule_rep.failures()), pytrace=False)
     if as_served.ok:
         pytest.fail(f"planted offset not detected [{name}]: SGLang feeds entering layers {list(plant.served)} to a "

@@ -407,3 +407,51 @@ def test_a_pinned_launch_runs_the_server_on_its_cpus_only(tmp_path):
                       cpus=(cpu,))
     with ServerProcess(spec, progress_every_s=60) as proc:
         assert os.sched_getaffinity(proc.pid) == {cpu}
+
+
+def test_launch_together_overlaps_the_starts_and_returns_each_sides_failure():
+    """ab.parallel_launch: both blocking starts run at once (an 8B launch is 15-30 s on the H200, and
+    one after the other they were ~40% of a comparison's wall time); a failure is returned, not raised,
+    so the side that did start can be registered and stopped."""
+    import threading
+    import time as _time
+
+    from kimi_perf.ab.runner import launch_together
+    from kimi_perf.launcher import ServerDied
+
+    spans: dict[str, tuple[float, float]] = {}
+    gate = threading.Barrier(2, timeout=5)  # each start waits for the other: only overlapping starts pass
+
+    def start(role):
+        t = _time.monotonic()
+        gate.wait()
+        spans[role] = (t, _time.monotonic())
+        if role == "candidate":
+            raise ServerDied("candidate exited with code 7", 7)
+        return f"server-{role}"
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2) as ex:
+        res = launch_together(("base", "candidate"), start, ex)
+    assert res["base"][0] == "server-base" and isinstance(res["candidate"][0], ServerDied)
+    assert spans["base"][0] < spans["candidate"][1] and spans["candidate"][0] < spans["base"][1]
+
+
+@pytest.mark.slow
+def test_parallel_launch_rounds_measure_like_sequential_ones_and_a_failed_side_stops_the_other(tmp_path):
+    from kimi_perf.ab.runner import ABSideError, run_ab
+
+    spec = ABSpec(threshold=0.05, min_blocks=2, max_blocks=4, repeats_per_block=1, blocks_per_launch=2,
+                  parallel_launch=True)
+    assert "both sides launched together" in spec.launch_schedule
+    base, cand = FakeSide("base", tmp_path), FakeSide("candidate", tmp_path, plant="0.3")
+    out = run_ab(base, cand, _probes(), spec, _prompts)
+    assert out.blocks == 4 and out.decisions[0].verdict == "FAIL", out.decisions[0].message()
+    assert [(x["role"], x["round"], x["together"]) for x in out.launches] == [
+        ("base", 0, True), ("candidate", 0, True), ("candidate", 1, True), ("base", 1, True)]
+    cand2 = FakeSide("candidate", tmp_path)
+    with pytest.raises(ABSideError) as ei:
+        run_ab(FakeSide("base", tmp_path, fail=True), cand2, _probes(), spec, _prompts)
+    assert ei.value.role == "base" and "server did not start" in str(ei.value)
+    assert cand2.launches == 1 and cand2.proc is None  # it had started: stopped, not left running

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from kimi_perf.eagle3.model import (  # noqa: E402
+from kimi_perf.eagle3.vocab import build_vocab_maps, count_tokens  # noqa: E402
+from kimi_perf.engines.reference.drafter_model import (  # noqa: E402
     CHECKPOINT_KEYS,
     Eagle3Config,
     Eagle3Drafter,
@@ -21,7 +22,6 @@ from kimi_perf.eagle3.model import (  # noqa: E402
     load_drafter,
     save_drafter,
 )
-from kimi_perf.eagle3.vocab import build_vocab_maps, count_tokens  # noqa: E402
 
 TARGET = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
           "head_dim": 16, "vocab_size": 300, "rms_norm_eps": 1e-5, "max_position_embeddings": 512,
@@ -125,7 +125,7 @@ def test_runtime_matches_training_step0(tmp_path):
     chain drafts equal the training module's greedy unroll on the drafted tokens."""
     from types import SimpleNamespace
 
-    from kimi_perf.eagle3.runtime import DrafterRuntime
+    from kimi_perf.engines.reference.drafting import DrafterRuntime
     from kimi_perf.engines.reference.model import LlamaShape
 
     m = tiny(seed=3).float()
@@ -147,7 +147,7 @@ def test_runtime_matches_training_step0(tmp_path):
     drafts = rt.propose([seq], 3)[0]
     # reference: run the training module's math step by step on the same inputs
     with torch.no_grad():
-        from kimi_perf.eagle3.model import _rope_cos_sin
+        from kimi_perf.engines.reference.drafter_model import _rope_cos_sin
 
         def layer(hid, toks, pos, keys, vals):
             e = torch.nn.functional.embedding(toks, m.embed)
@@ -180,7 +180,7 @@ def test_runtime_matches_training_step0(tmp_path):
 def _runtime(seed=3, slots=8):
     from types import SimpleNamespace
 
-    from kimi_perf.eagle3.runtime import DrafterRuntime
+    from kimi_perf.engines.reference.drafting import DrafterRuntime
     from kimi_perf.engines.reference.model import LlamaShape
 
     m = tiny(seed=seed).float()

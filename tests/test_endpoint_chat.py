@@ -113,6 +113,8 @@ def test_chat_bodies_follow_vllms_chat_benchmark_client():
                        "max_completion_tokens": 6, "temperature": 0.0, "ignore_eos": True, "stream": True,
                        "stream_options": {"include_usage": True}, "top_k": 1}]
     assert request_bodies("smol", [[5]], Workload("t"))[0] == "/v1/completions"
+    # per-request lengths (output_len_range_ratio) reach chat bodies as max_completion_tokens
+    assert [b["max_completion_tokens"] for b in request_bodies("smol", [[5], [6]], w, tok, [3, 9])[1]] == [3, 9]
     with pytest.raises(ValueError, match="needs the tokenizer"):
         request_bodies("smol", [[5]], w)
 

@@ -62,3 +62,44 @@ def test_summary_counts_verdicts_per_condition_and_the_table_names_every_commit_
     assert "commits aaaaaaaaaa (2 trials), bbbbbbbbbb (2 trials)" in md
     assert "| 0% | 2 | 0/2 [0.00, 0.84] | 0/2 | 300 | 0.000 (50 from 6 blocks) | 0.000 |" in md
     assert "| 10% | 2 | 2/2 [0.16, 1.00] | 0/2 | 300 | 1.000 (50 from 6 blocks) | 0.000 |" in md
+
+
+def test_a_study_under_another_policy_starts_afresh_and_keeps_the_old_trials_as_superseded():
+    from kimi_perf.power import study_entry
+
+    cfg = {"profile": "p", "spec": {"blocks_per_launch": 2}, "probes": [{"name": "c128"}]}
+    doc: dict = {"machines": {}}
+    e = study_entry(doc, "gpu", cfg)
+    e["trials"].append({"plant": 0.0, "verdict": "PASS"})
+    doc["machines"]["gpu"] = e
+    assert study_entry(doc, "gpu", cfg) is e  # same policy: continued
+    resized = {**cfg, "spec": {"blocks_per_launch": 2, "parallel_launch": True}}
+    fresh = study_entry(doc, "gpu", resized)
+    assert fresh["trials"] == [] and fresh["spec"] == resized["spec"]
+    assert doc["superseded"]["gpu"] == [e] and e["trials"][0]["verdict"] == "PASS"
+
+
+def test_a_tree_without_git_takes_its_commit_from_the_environment(tmp_path, monkeypatch):
+    """A GPU lease runs a copy of the tree without .git; its results must still name the commit."""
+    from kimi_perf.machine import commit_info
+
+    monkeypatch.delenv("GITHUB_SHA", raising=False)
+    monkeypatch.delenv("CI_COMMIT_SHA", raising=False)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    monkeypatch.delenv("KIMI_PERF_COMMIT", raising=False)
+    assert commit_info(tmp_path) == {}
+    monkeypatch.setenv("KIMI_PERF_COMMIT", "57226fd")
+    info = commit_info(tmp_path)
+    assert info["id"] == "57226fd" and "KIMI_PERF_COMMIT" in info["source"]
+
+
+def test_the_table_lists_superseded_studies_with_their_policy_and_verdicts():
+    from kimi_perf.power import markdown
+
+    spec = {"threshold": 0.025, "min_blocks": 4, "max_blocks": 8, "blocks_per_launch": 2, "parallel_launch": True}
+    doc = {"machines": {}, "superseded": {"gpu": [{"spec": spec, "servers": "launched by every trial", "trials": [
+        {"plant": 0.0, "verdict": "PASS"}, {"plant": 0.0, "verdict": "INCONCLUSIVE"}, {"plant": 0.05, "verdict": "FAIL"}]}]}}
+    md = markdown(doc)
+    assert "## Superseded studies" in md
+    assert ("| gpu | threshold 2.5%, blocks 4-8, launch rounds of 2 blocks in ABBA order, both sides launched together "
+            "| launched by every trial | 0%: 1/0/1; 5%: 0/1/0 |") in md

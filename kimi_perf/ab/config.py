@@ -56,11 +56,15 @@ class ABSpec:
     # to the client, the rest is split evenly between the two sides (kimi_perf.ab.pinning)
     pin_cpus: bool = False
     client_cpus: int = 2
+    # start both sides' servers at the same time (the side due first is spawned first) and warm them
+    # up after both are ready: an 8B launch on the H200 takes 15-30 s, and launched one after the other
+    # the four launches of a two-round comparison were ~40% of its wall time (docs/ab-gate.md)
+    parallel_launch: bool = False
 
     @property
     def launch_schedule(self) -> str:
         """The launch schedule in words, for reports."""
-        return describe_launches(self.blocks_per_launch, self.pin_cpus)
+        return describe_launches(self.blocks_per_launch, self.pin_cpus, self.parallel_launch)
 
     @property
     def relaunch(self) -> bool:
@@ -108,15 +112,15 @@ class ABSpec:
             raise ABConfigError("invalid " + "; ".join(problems))
 
 
-def describe_launches(blocks_per_launch: int, pin_cpus: bool = False) -> str:
+def describe_launches(blocks_per_launch: int, pin_cpus: bool = False, parallel: bool = False) -> str:
     """``ABSpec.blocks_per_launch`` in words (also for stored power-study entries)."""
     k = blocks_per_launch
     what = ("one launch per side (base first)" if k == 0 else "fresh servers every block" if k == 1
             else f"launch rounds of {k} blocks in ABBA order")
-    return what + (", CPUs pinned" if pin_cpus else "")
+    return what + (", both sides launched together" if parallel else "") + (", CPUs pinned" if pin_cpus else "")
 
 
-_WORKLOAD_OVERRIDES = {"num_prompts", "output_len", "input_len", "warmup"}
+_WORKLOAD_OVERRIDES = {"num_prompts", "output_len", "input_len", "warmup", "output_len_range_ratio"}
 
 
 def parse_ab(raw: Mapping[str, Any] | None, *, hardware: str) -> ABSpec:
@@ -153,8 +157,9 @@ def parse_ab(raw: Mapping[str, Any] | None, *, hardware: str) -> ABSpec:
               "blocks_per_launch", "client_cpus"):
         if k in raw and raw[k] is not None and (isinstance(raw[k], bool) or not isinstance(raw[k], int)):
             raise ABConfigError(f"{k}: {raw[k]!r} must be an integer")
-    if "pin_cpus" in raw and not isinstance(raw["pin_cpus"], bool):
-        raise ABConfigError(f"pin_cpus: {raw['pin_cpus']!r} must be true or false")
+    for k in ("pin_cpus", "parallel_launch"):
+        if k in raw and not isinstance(raw[k], bool):
+            raise ABConfigError(f"{k}: {raw[k]!r} must be true or false")
     try:
         return ABSpec(**raw)
     except TypeError as e:

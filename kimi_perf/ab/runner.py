@@ -30,6 +30,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
@@ -44,7 +45,8 @@ from .config import ABSpec
 from .decide import ABDecision, decide, log_ratio
 from .pinning import CPUPlan, plan_cpus
 
-__all__ = ["ABOutcome", "ABSideError", "PairRecord", "Probe", "Side", "measure_repeat", "run_ab", "run_ab_prompts", "stop_reason"]
+__all__ = ["ABOutcome", "ABSideError", "PairRecord", "Probe", "Side", "launch_together", "measure_repeat", "run_ab",
+           "run_ab_prompts", "stop_reason"]
 
 
 class Side(Protocol):
@@ -185,20 +187,54 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
     if plan is not None:
         log(f"A/B CPU pinning: {plan.describe()}")
 
-    def launch(role: str, block: int) -> None:
-        t = time.monotonic()
-        cpus = plan.sides[role] if plan is not None and plan.pinned else ()
-        try:
-            srv = sides[role].start(cpus) if cpus else sides[role].start()
-        except (ServerError, BenchFailure) as e:
-            out.error = f"{role} did not start: {e}"
-            raise ABSideError(role, sides[role].label, f"server did not start: {e}", _FIX[role], out) from None
+    # parallel launches spawn from worker threads that must live as long as the servers (see
+    # launch_together): one pool for the whole comparison, shut down after the servers are stopped
+    launcher = (ThreadPoolExecutor(max_workers=2, thread_name_prefix="ab-launch") if spec.parallel_launch
+                else None)
+
+    def cpus_of(role: str) -> tuple[int, ...]:
+        return plan.sides[role] if plan is not None and plan.pinned else ()
+
+    def start(role: str) -> RunningServer:
+        cpus = cpus_of(role)
+        return sides[role].start(cpus) if cpus else sides[role].start()
+
+    def started(role: str, block: int, srv: RunningServer | BaseException, t: float) -> None:
+        """Record a launch (or turn its failure into the side's error); warm-ups come after."""
+        if isinstance(srv, (ServerError, BenchFailure)):
+            out.error = f"{role} did not start: {srv}"
+            raise ABSideError(role, sides[role].label, f"server did not start: {srv}", _FIX[role], out) from None
+        if isinstance(srv, BaseException):
+            raise srv
         running[role] = srv
         out.versions[role] = srv.version
         _check_source(srv, role, sides[role], out)
         ready = getattr(srv.process, "ready_s", None)
         out.launches.append({"role": role, "block": block, "round": spec.launch_round(block), "ready_s": ready,
-                             "wall_s": time.monotonic() - t, "cpus": list(cpus)})
+                             "wall_s": time.monotonic() - t, "cpus": list(cpus_of(role)),
+                             "together": spec.parallel_launch})
+
+    def launch_round(roles: tuple[str, str], block: int) -> None:
+        if not spec.parallel_launch:
+            for role in roles:
+                t = time.monotonic()
+                try:
+                    srv: RunningServer | BaseException = start(role)
+                except (ServerError, BenchFailure) as e:
+                    srv = e
+                started(role, block, srv, t)
+                warm_up(role, block)
+            return
+        assert launcher is not None
+        results = launch_together(roles, start, launcher)
+        # every server that did start is registered before a failure is raised, so stop_all stops it
+        for role in sorted(roles, key=lambda r: isinstance(results[r][0], BaseException)):
+            started(role, block, *results[role])
+        for role in roles:
+            warm_up(role, block)
+
+    def warm_up(role: str, block: int) -> None:
+        srv = running[role]
         for p in probes:  # first-use costs (allocator growth, kernel selection) stay out of the pairs
             # one full batch of short requests: the probe's prefill and decode shapes, a few seconds
             warm_w = replace(p.workload, num_prompts=p.workload.concurrency, output_len=min(8, p.workload.output_len))
@@ -229,8 +265,7 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
             if b == 0 or (spec.blocks_per_launch and b % spec.blocks_per_launch == 0):
                 stop_all()
                 # alternate which side launches first, round by round (ABBA over launches)
-                for role in (("base", "candidate") if rnd % 2 == 0 else ("candidate", "base")):
-                    launch(role, b)
+                launch_round(("base", "candidate") if rnd % 2 == 0 else ("candidate", "base"), b)
             redo_left = spec.max_redo
             for i in range(spec.repeats_per_block):
                 first, second = order if i % 2 == 0 else order[::-1]
@@ -271,9 +306,40 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
             out.decisions = _decide_all(out, family, final=True)
     finally:
         stop_all()
+        if launcher is not None:
+            launcher.shutdown(wait=True)
         _unpin_client(client_affinity)
         out.wall_s = time.monotonic() - t0
     return out
+
+
+def launch_together(roles: Sequence[str], start: Callable[[str], RunningServer], executor: Executor, *,
+                    every_s: float = 10.0) -> dict[str, tuple[RunningServer | BaseException, float]]:
+    """Start every side at once (``ab.parallel_launch``): each side's blocking ``start`` runs on its own
+    worker of ``executor``, submitted in ``roles`` order (so the ABBA launch order still says who went
+    first), while this thread waits and prints progress -- progress lines from worker threads bypass
+    pytest's capture suspension (:mod:`kimi_perf.progress`), so the waiting is reported from here.
+    Returns, per role, the server or the exception its start raised, and the time its start began.
+
+    The executor must outlive the servers: a server's parent-death signal (``PR_SET_PDEATHSIG``, see
+    :mod:`kimi_perf.launcher`) fires when the *thread* that spawned it exits, so a pool shut down after
+    the launch would kill the servers it started (found by this module's test: SIGTERM before warm-up)."""
+    from concurrent.futures import wait
+
+    t0 = time.monotonic()
+    futs = {role: (executor.submit(start, role), time.monotonic()) for role in roles}
+    pending = {f for f, _ in futs.values()}
+    while pending:
+        _done, pending = wait(pending, timeout=every_s)
+        if pending:
+            waiting = [r for r, (f, _) in futs.items() if f in pending]
+            log(f"A/B launching {' and '.join(roles)} together: waiting for {', '.join(waiting)} "
+                f"({time.monotonic() - t0:.0f}s)")
+    results: dict[str, tuple[RunningServer | BaseException, float]] = {}
+    for role, (f, t) in futs.items():
+        e = f.exception()
+        results[role] = (e if e is not None else f.result(), t)
+    return results
 
 
 def _pin_client(plan: CPUPlan | None) -> set[int] | None:

@@ -5,7 +5,7 @@ Why a module of its own: these decisions are made at collection time (parametriz
 a test runs (server configs, layer labels), and they must be the same both times and unit-testable
 without a GPU, an engine or torch. Nothing here imports torch or an engine at module level (the plugin
 promises a torch-free collection); the layer-convention rules themselves live in
-:mod:`kimi_perf.eagle3.model` and are imported where used.
+:mod:`kimi_perf.engines.reference.drafter_model` and are imported where used.
 
 The profile sections these decisions read (``eagle3``, ``alignment``) are parsed and validated once,
 when the profile loads, into :mod:`kimi_perf.sections`; their defaults live there.
@@ -137,7 +137,7 @@ def planted_sglang_offset(trained: Sequence[int], convention: str) -> PlantedOff
     DeepSeek adds 1 only when the first id is 1 (models/deepseek_v2.py), so there the layers themselves
     are captured as written and the planted mistake is ids one layer late. Raises :class:`PlanError`
     when no candidate gives a one-layer offset on every layer."""
-    from ..eagle3.model import aux_ids_for_engine, effective_aux_layers
+    from ..engines.reference.drafter_model import aux_ids_for_engine, effective_aux_layers
 
     t = tuple(int(k) for k in trained)
     try:

@@ -2,7 +2,7 @@
 
 Why here, in the capture layer: the same rule names the columns of a captured hidden state
 (:mod:`kimi_perf.capture.server`, what alignment compares) and the layers a drafter is trained on and
-served with (:mod:`kimi_perf.eagle3.model`). Both import it from below; it needs neither torch nor an
+served with (:mod:`kimi_perf.engines.reference.drafter_model`). Both import it from below; it needs neither torch nor an
 engine. The convention throughout is "residual stream entering layer k" (= output of layer k-1).
 """
 

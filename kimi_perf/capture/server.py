@@ -139,7 +139,7 @@ def server_layers(info: dict[str, Any], *, model_family: str | None = None, num_
     - SGLang aux mode (0.5.23 ``--enable-return-aux-hidden-states``; not in 0.5.17): the ids of
       ``--return-aux-hidden-state-layer-ids`` go through the model's ``set_eagle3_layers_to_capture``
       (python/sglang/srt/model_executor/model_runner_components/spec_aux_hidden_state.py), so the
-      family's rule applies (:func:`kimi_perf.eagle3.model.effective_aux_layers`); no ids = [2, N//2, N-3].
+      family's rule applies (:func:`kimi_perf.engines.reference.drafter_model.effective_aux_layers`); no ids = [2, N//2, N-3].
     - SGLang serving EAGLE-3 with a drafter and ``return_hidden_states``: the rows are the packed aux
       states, not the final norm (0.5.17 and 0.5.23 layers/logits_processor.py
       ``LogitsProcessor._get_hidden_states_to_store`` stores ``pack_aux_hidden_states(aux)`` whenever aux

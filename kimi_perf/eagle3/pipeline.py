@@ -21,11 +21,11 @@ import numpy as np
 import torch
 
 from ..atomic import atomic_write_json
+from ..engines.reference.drafter_model import save_drafter
 from ..models.embedded import cache_root, file_lock
 from ..progress import log
 from .data import DataConfig, Sample, build_items, generate_samples, samples_digest
 from .features import FeatureSpec, extract_features
-from .model import save_drafter
 from .train import TrainConfig, TrainResult, train_drafter
 from .vocab import build_vocab_maps, count_tokens
 

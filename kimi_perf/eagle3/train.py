@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
+from ..engines.reference.drafter_model import Eagle3Config, Eagle3Drafter
 from ..progress import log
 from .features import FeatureSample, FeatureStore
-from .model import Eagle3Config, Eagle3Drafter
 
 __all__ = ["TrainConfig", "TrainResult", "train_drafter"]
 

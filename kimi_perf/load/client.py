@@ -143,11 +143,11 @@ async def stream_completion(
     return out
 
 
-def _payload(model: str, prompt: Sequence[int], w: Workload) -> dict[str, Any]:
+def _payload(model: str, prompt: Sequence[int], w: Workload, max_tokens: int | None = None) -> dict[str, Any]:
     return {
         "model": model,
         "prompt": list(prompt),
-        "max_tokens": w.output_len,
+        "max_tokens": w.output_len if max_tokens is None else max_tokens,
         "temperature": w.temperature,
         "ignore_eos": w.ignore_eos,
         "stream": True,
@@ -157,11 +157,11 @@ def _payload(model: str, prompt: Sequence[int], w: Workload) -> dict[str, Any]:
     }
 
 
-def _chat_payload(model: str, text: str, w: Workload) -> dict[str, Any]:
+def _chat_payload(model: str, text: str, w: Workload, max_tokens: int | None = None) -> dict[str, Any]:
     return {
         "model": model,
         "messages": [{"role": "user", "content": text}],
-        "max_completion_tokens": w.output_len,
+        "max_completion_tokens": w.output_len if max_tokens is None else max_tokens,
         "temperature": w.temperature,
         "ignore_eos": w.ignore_eos,
         "stream": True,
@@ -171,17 +171,19 @@ def _chat_payload(model: str, text: str, w: Workload) -> dict[str, Any]:
     }
 
 
-def request_bodies(model: str, prompts: Sequence[Sequence[int]], w: Workload,
-                   tokenizer: Any = None) -> tuple[str, list[dict[str, Any]]]:
-    """The route and one request body per prompt of ``w``. ``api="chat"`` decodes the ids with
-    ``tokenizer`` (the one the prompts were drawn from; ValueError without it)."""
+def request_bodies(model: str, prompts: Sequence[Sequence[int]], w: Workload, tokenizer: Any = None,
+                   max_tokens: Sequence[int] | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """The route and one request body per prompt of ``w``, asking for ``max_tokens[i]`` tokens (default
+    ``output_len`` each). ``api="chat"`` decodes the ids with ``tokenizer`` (the one the prompts were
+    drawn from; ValueError without it)."""
+    lens: Sequence[int | None] = list(max_tokens) if max_tokens is not None else [None] * len(prompts)
     if w.api != "chat":
-        return "/v1/completions", [_payload(model, p, w) for p in prompts]
+        return "/v1/completions", [_payload(model, p, w, n) for p, n in zip(prompts, lens)]
     if tokenizer is None:
         raise ValueError(f"workload {w.name!r}: api chat sends text, so the client needs the tokenizer the "
                          "prompts were drawn from (run_workload(..., tokenizer=...); a PromptFactory has one)")
     texts = tokenizer.batch_decode([list(p) for p in prompts], skip_special_tokens=False)
-    return "/v1/chat/completions", [_chat_payload(model, t, w) for t in texts]
+    return "/v1/chat/completions", [_chat_payload(model, t, w, n) for t, n in zip(texts, lens)]
 
 
 HEARTBEAT_S = 10.0
@@ -219,7 +221,8 @@ async def _run(base_url: str, model: str, prompts: Sequence[Sequence[int]], w: W
                tokenizer: Any = None) -> BenchResult:
     import aiohttp
 
-    route, bodies = request_bodies(model, prompts, w, tokenizer)
+    lens = w.output_lens(len(prompts))
+    route, bodies = request_bodies(model, prompts, w, tokenizer, lens)
     _, warm_bodies = request_bodies(model, warmup_prompts, w, tokenizer)
     url = base_url.rstrip("/") + route
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -259,7 +262,7 @@ async def _run(base_url: str, model: str, prompts: Sequence[Sequence[int]], w: W
         assert oc is not None
         o = oc
         records.append(RequestRecord(
-            index=i, prompt_len=len(p), max_tokens=w.output_len, ok=o.ok, error=o.error,
+            index=i, prompt_len=len(p), max_tokens=lens[i], ok=o.ok, error=o.error,
             t_send=o.t_send - t0, t_first=(o.t_first - t0) if o.t_first is not None else None,
             t_end=o.t_end - t0, chunk_times=tuple(t - t0 for t in o.chunk_times),
             completion_tokens=o.completion_tokens, server_prompt_tokens=o.prompt_tokens,

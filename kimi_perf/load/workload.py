@@ -49,6 +49,12 @@ class Workload:
     # dataset "shared-prefix": every prompt of a repeat starts with the same prefix_len random ids (a
     # system prompt, a few-shot preamble), the rest is its own: what prefix caching is for
     prefix_len: int = 0
+    # per-request output lengths drawn uniformly from [L(1-r), L(1+r)] (vLLM's --random-range-ratio,
+    # applied to outputs only), seeded, identical for both sides of an A/B. 0 = every request L tokens.
+    # Why: with fixed lengths and ignore_eos a closed-loop batch finishes in synchronised waves, each
+    # followed by a burst of prefills, and where a repeat's window cuts those waves moves its throughput
+    # (C=128 steady-state pairs swung 5-7% on the H200); staggered ends keep the batch in steady state
+    output_len_range_ratio: float = 0.0
     # which OpenAI route the client streams from: "completions" sends the token ids as the prompt (exact
     # input lengths); "chat" decodes them to text and sends one user message to /v1/chat/completions,
     # so the server's chat template and chat pipeline are measured too (input length: the server's usage)
@@ -79,10 +85,26 @@ class Workload:
             problems.append(f"temperature={self.temperature} (must be >= 0)")
         if not self.request_rate > 0:
             problems.append(f"request_rate={self.request_rate} (req/s, must be > 0; inf = closed loop)")
+        if not 0 <= self.output_len_range_ratio < 1:
+            problems.append(f"output_len_range_ratio={self.output_len_range_ratio} (in [0, 1): lengths are drawn "
+                            "from [output_len * (1 - r), output_len * (1 + r)])")
         if not (0 < self.burstiness < float("inf")):
             problems.append(f"burstiness={self.burstiness} (gamma shape, must be > 0; 1 = Poisson)")
         if problems:
             raise ValueError(f"workload {self.name!r}: invalid " + "; ".join(problems))
+
+    def output_lens(self, n: int) -> list[int]:
+        """Each request's ``max_tokens`` for a repeat of ``n`` requests (``output_len_range_ratio``).
+        Seeded by the workload's seed alone, so every repeat, and both sides of a pair, ask for the same
+        lengths; the mean stays ``output_len``."""
+        r = self.output_len_range_ratio
+        if not r:
+            return [self.output_len] * n
+        import numpy as np
+
+        lo, hi = max(1, round(self.output_len * (1 - r))), max(1, round(self.output_len * (1 + r)))
+        rng = np.random.default_rng([self.seed, 0x6F75])  # a stream of its own, not the arrival gaps'
+        return [int(x) for x in rng.integers(lo, hi + 1, size=n)]
 
     def with_concurrency(self, c: int, *, num_prompts: int | None = None) -> Workload:
         return replace(self, concurrency=c, num_prompts=num_prompts or self.num_prompts)
@@ -113,8 +135,9 @@ class Workload:
         d = self.to_dict()
         for k in ("concurrency", "request_timeout_s", "name"):
             d.pop(k)
-        for k, default in (("burstiness", 1.0), ("prefix_len", 0), ("api", "completions")):  # added later: keys that leave them
-            if d[k] == default:  # at the default stay as stored
+        added_later = (("burstiness", 1.0), ("prefix_len", 0), ("output_len_range_ratio", 0.0), ("api", "completions"))
+        for k, default in added_later:  # fields added later: keys that leave them at the default
+            if d[k] == default:  # stay as stored
                 d.pop(k)
         digest = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:8]
         return f"{self.name}-{digest}"

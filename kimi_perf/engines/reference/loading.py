@@ -72,7 +72,7 @@ def load_engine(a: argparse.Namespace, *, on_step: Callable[[list[Any]], None],
         raise ValueError(f"--return-aux-hidden-state-layer-ids {bad}: ids must be in [0, {n}] or 'final'")
     drafter = None
     if a.speculative_algorithm:
-        from ...eagle3.runtime import DrafterRuntime
+        from .drafting import DrafterRuntime
 
         drafter = DrafterRuntime.from_pretrained(a.speculative_draft_model_path, runner)
         print(f"[kimi-ref] EAGLE-3 drafter {a.speculative_draft_model_path}: aux layers "

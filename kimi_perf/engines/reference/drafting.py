@@ -24,14 +24,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..engines.reference.model import (
+from .drafter_model import Eagle3Drafter, _rope_config, load_drafter
+from .model import (
     cached_attention,
     make_slot_batch,
     rms_norm,
     rope_tables,
     slot_batch_from_tensors,
 )
-from .model import Eagle3Drafter, _rope_config, load_drafter
 
 __all__ = ["DrafterGraphs", "DrafterRuntime"]
 

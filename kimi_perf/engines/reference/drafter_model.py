@@ -17,6 +17,9 @@ only with eager kernels, so neither can be the runtime dependency of a suite tha
 Training-time test (TTT) unrolls k steps: step j at anchor t attends to step-0 keys at positions <= t
 and to its own steps' keys at anchor t (the chain it would have drafted), with RoPE positions t + j,
 which is what vLLM's and our engine's drafting loop compute at inference.
+
+It lives with the reference engine, which serves it (:mod:`.drafting`); the training and evaluation
+pipeline (:mod:`kimi_perf.eagle3`) imports it from here, so imports run one way: pipeline -> engine.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..capture.layers import (
+from ...capture.layers import (
     AUX_CONVENTIONS,
     SGLANG_AUX_CONVENTIONS,
     aux_ids_for_engine,
@@ -216,7 +219,7 @@ _ROPE_CACHE: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _rope_cos_sin(c: Eagle3Config, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    from ..engines.reference.model import rope_tables
+    from .model import rope_tables
 
     need = int(positions.max().item()) + 1
     key = (json.dumps(dict(c.rope), sort_keys=True), c.head_dim, str(positions.device))
