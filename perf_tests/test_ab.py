@@ -32,10 +32,10 @@ def test_ab_accept_length(perf_ab, perf_engine_name, perf_session, eagle3_drafte
     pair and the interval runs over prompts (:func:`kimi_perf.ab.runner.run_ab_prompts`)."""
     from dataclasses import replace
 
-    from fixtures.ab import PoolSide
     from kimi_perf.ab.runner import ABSideError, run_ab_prompts
     from kimi_perf.eagle3.evaluate import measure_generation
     from kimi_perf.engines.base import SpecConfig
+    from kimi_perf.suite.ab import PoolSide
 
     engine = perf_engine_name
     max_new = perf_session.profile.eagle3.eval.max_new_tokens
@@ -78,12 +78,12 @@ def test_ab_alignment(perf_ab, perf_engine_name, perf_session, alignment, reques
     move the states."""
     import numpy as np
 
-    from fixtures.alignment import _common_prefix
     from kimi_perf.alignment.diagnose import check_alignment
     from kimi_perf.alignment.plan import PlanError, serving_dtype
     from kimi_perf.capture.hidden import HiddenStates
     from kimi_perf.engines.base import SpecConfig
     from kimi_perf.progress import log
+    from kimi_perf.suite.alignment import common_prefix
 
     engine = perf_engine_name
     raw = perf_session.profile.engines[engine]
@@ -115,7 +115,7 @@ def test_ab_alignment(perf_ab, perf_engine_name, perf_session, alignment, reques
     assert gated, f"no common gated layer: base {base.layers}, candidate {cand.layers}"
     msgs, rows = [], []
     for i, (b, c) in enumerate(zip(base.states, cand.states)):
-        n = _common_prefix(b.token_ids, c.token_ids)
+        n = common_prefix(b.token_ids, c.token_ids)
         if n < len(b.token_ids) or n < len(c.token_ids):
             log(f"A/B alignment prompt {i}: the sides generated the same first {n} tokens; compared there")
 

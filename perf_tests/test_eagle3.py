@@ -39,11 +39,11 @@ import shutil
 import numpy as np
 import pytest
 
-from fixtures.alignment import wants_capture
-from fixtures.drafters import eval_settings, spec_engine_config
-from fixtures.servers import engine_config
 from kimi_perf.eagle3.evaluate import WIRING_HINT, measure_generation
 from kimi_perf.progress import log
+from kimi_perf.suite.alignment import wants_capture
+from kimi_perf.suite.drafters import eval_settings, spec_engine_config
+from kimi_perf.suite.servers import engine_config
 
 pytestmark = [pytest.mark.perf, pytest.mark.eagle]
 

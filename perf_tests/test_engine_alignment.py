@@ -41,12 +41,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fixtures.alignment import EngineCapture, wants_capture
-from fixtures.drafters import eval_settings, planted_sglang_config, require_engine
 from kimi_perf.alignment.diagnose import AlignmentError, AlignmentReport, check_layers
 from kimi_perf.alignment.extract import HiddenStates, Provenance
 from kimi_perf.keys import eagle3_workload
 from kimi_perf.progress import log
+from kimi_perf.suite.alignment import EngineCapture, wants_capture
+from kimi_perf.suite.drafters import eval_settings, planted_sglang_config, require_engine
 
 pytestmark = [pytest.mark.perf, pytest.mark.alignment]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fixtures.servers import engine_config
 from kimi_perf.bench import measure, samples_of
+from kimi_perf.suite.servers import engine_config
 
 pytestmark = [pytest.mark.perf, pytest.mark.gpu]
 

@@ -203,8 +203,8 @@ def test_prefix_caching_ttft(perf_session, perf_engine_name, server_pool, prompt
     input shared) and a workload of unrelated random prompts, interleaved, and the gate follows the
     ratio of their TTFT medians (lower is better: below 1 when the cache serves the prefix). An engine
     release that stops reusing the cache, or evicts it too early, moves this ratio towards 1."""
-    from fixtures.servers import engine_config
     from kimi_perf.keys import prefix_workloads
+    from kimi_perf.suite.servers import engine_config
 
     tp = _spec(perf_session)
     kind = str(perf_session.profile.engines[perf_engine_name]["kind"])

@@ -17,10 +17,6 @@ import numpy as np
 import pytest
 from test_sglang_adapter import fixture, serve
 
-from fixtures.alignment import AlignmentContext, AlignmentSettings
-from fixtures.drafters import DrafterHandle, Eagle3Runs, eagle3_server_configs, missing, planted_sglang_config
-from fixtures.models import TargetModel
-from fixtures.servers import engine_config
 from kimi_perf import plugin
 from kimi_perf.alignment.diagnose import check_layers
 from kimi_perf.alignment.extract import HiddenStates, Provenance, server_hidden_states, server_layers
@@ -37,6 +33,16 @@ from kimi_perf.alignment.plan import (
 from kimi_perf.plugin import SESSION_KEY
 from kimi_perf.profiles import ProfileError, load_profile
 from kimi_perf.sections import SectionError, parse_alignment, parse_eagle3
+from kimi_perf.suite.alignment import AlignmentContext, AlignmentSettings
+from kimi_perf.suite.drafters import (
+    DrafterHandle,
+    Eagle3Runs,
+    eagle3_server_configs,
+    missing,
+    planted_sglang_config,
+)
+from kimi_perf.suite.models import TargetModel
+from kimi_perf.suite.servers import engine_config
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = load_profile(ROOT / "profiles" / "h200-engines.json")

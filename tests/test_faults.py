@@ -81,7 +81,7 @@ class _FakeEngine:
 
 
 def test_server_killed_mid_benchmark_fails_that_test_and_the_pool_restarts_it(tmp_path):
-    from fixtures.servers import ServerPool
+    from kimi_perf.suite.servers import ServerPool
 
     pool = ServerPool(tmp_path)
     cfg = _FakeEngine("victim", tmp_path)

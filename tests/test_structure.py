@@ -186,3 +186,70 @@ def test_the_capture_layer_sits_below_alignment_and_eagle3():
         assert not _package_edges(g, "kimi_perf.capture", up), _package_edges(g, "kimi_perf.capture", up)
     assert not _package_edges(g, "kimi_perf.eagle3", "kimi_perf.alignment"), \
         _package_edges(g, "kimi_perf.eagle3", "kimi_perf.alignment")
+
+
+FIXTURES = PKG.parent / "fixtures"
+# a private helper a fixture module may keep (a line or two of glue); anything longer is library code
+TINY_HELPER_LINES = 8
+
+
+def _is_fixture(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Decorated with ``pytest.fixture`` (bare or called, e.g. ``@pytest.fixture(scope="session")``)."""
+    for d in fn.decorator_list:
+        target = d.func if isinstance(d, ast.Call) else d
+        if isinstance(target, ast.Attribute) and target.attr == "fixture":
+            return True
+        if isinstance(target, ast.Name) and target.id == "fixture":
+            return True
+    return False
+
+
+def fixture_module_violations(source: str) -> list[str]:
+    """What a fixtures/ module defines beyond fixture functions and tiny private helpers."""
+    bad = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ClassDef):
+            bad.append(f"class {node.name} (line {node.lineno})")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_fixture(node):
+            n = (node.end_lineno or node.lineno) - node.lineno + 1
+            if not node.name.startswith("_") or n > TINY_HELPER_LINES:
+                bad.append(f"function {node.name} ({n} lines, line {node.lineno})")
+    return bad
+
+
+def test_fixture_modules_define_only_fixtures():
+    """Issue 27's rule: fixture functions live in fixtures/, the classes and helpers they use in the
+    library (kimi_perf.suite), where a host repository's fixtures and unit tests import them. Before
+    the move fixtures/ held ServerPool, AlignmentContext, Eagle3Runs, ... (1,350 lines)."""
+    mods = sorted(FIXTURES.glob("*.py"))
+    assert len(mods) > 1, f"no fixture modules found under {FIXTURES}"
+    bad = {p.name: v for p in mods if (v := fixture_module_violations(p.read_text()))}
+    assert not bad, f"fixtures/ may define only @pytest.fixture functions and tiny private helpers; move these " \
+                    f"into kimi_perf/suite/: {bad}"
+
+
+def test_the_fixture_rule_checker_sees_classes_and_helpers():
+    """Guards the checker: a class, a public helper and a long private one are reported; fixtures
+    (bare and called decorator) and a short private helper are not."""
+    long_body = "\n".join(f"    x{i} = {i}" for i in range(TINY_HELPER_LINES))
+    src = ("import pytest\nfrom pytest import fixture\n\nclass Pool:\n    pass\n\n"
+           "def engine_config():\n    return 1\n\n"
+           f"def _long():\n{long_body}\n\n"
+           "def _short():\n    return 2\n\n"
+           "@pytest.fixture(scope='session')\ndef pool():\n    return Pool()\n\n"
+           "@fixture\ndef other():\n    return 3\n")
+    found = fixture_module_violations(src)
+    assert [f.split()[1] for f in found] == ["Pool", "engine_config", "_long"], found
+
+
+def test_the_suite_sits_below_the_plugin():
+    """kimi_perf.suite (the objects behind the fixtures) imports PerfSession from kimi_perf.session,
+    not from the hook module, and the plugin does not import the suite: the suite's services are not
+    part of what the pytest11 entry point loads."""
+    g = import_graph()
+    assert "kimi_perf.suite.servers" in g, "kimi_perf.suite is not read"
+    up = _package_edges(g, "kimi_perf.suite", "kimi_perf.plugin")
+    assert not up, up
+    down = [e for m in ("kimi_perf.plugin", "kimi_perf.session", "kimi_perf.recorder")
+            for e in _package_edges(g, m, "kimi_perf.suite")]
+    assert not down, down

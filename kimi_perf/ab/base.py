@@ -79,7 +79,7 @@ def resolve_base(spec: str, variants: dict[str, Variant], repo: Path, *, python:
 
 def base_engine_config(candidate: Any, base: ABBase, *, build: Any, cache_dir: Path) -> Any:
     """The base side's engine config. ``build(engine_name, **settings)`` builds a profile engine's
-    config the way the candidate's was built (fixtures.servers.engine_config)."""
+    config the way the candidate's was built (kimi_perf.suite.servers.engine_config)."""
     from ..engines.base import ReferenceEngineConfig
 
     engine = candidate.name

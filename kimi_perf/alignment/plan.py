@@ -24,7 +24,7 @@ __all__ = ["ALIGNMENT_DTYPES", "ENGINE_NOISE_FACTOR", "PlanError", "PlantedOffse
 ALIGNMENT_DTYPES = ("float32", "bfloat16")
 
 # Another engine vs transformers, in the serving dtype, is two independent reduced-precision
-# implementations of the same network. The reference engine's noise floor (fixtures/alignment.py
+# implementations of the same network. The reference engine's noise floor (kimi_perf/suite/alignment.py
 # ``noise_floor``) is how far *one* bf16 implementation sits from another computation of itself or from
 # fp32. Independent rounding errors add in squared angle, and 1 - cos ~ angle^2 / 2, so two bf16
 # implementations each a floor away from fp32 sit about 2x the floor's cosine distance from each other

@@ -29,7 +29,7 @@ The tolerance is itself measured, not assumed (:class:`RetrainNoise`): the own-f
 with ``retrain_seeds`` seeds on the same samples must not differ from itself by more than the
 tolerance, or the aligned-path gate would fail real paths by chance.
 
-Nothing here imports torch: the fixture measures (fixtures/matrix.py), this module decides and draws.
+Nothing here imports torch: kimi_perf.suite.matrix measures, this module decides and draws.
 """
 
 from __future__ import annotations
