@@ -6,7 +6,7 @@ finds no baseline and reports NEW. That happened: ``baselines/llama-3.1-8b-1xh10
 ``mtbench-heldout-80x256-k3`` after the profile's ``eagle3.eval.prompts: 80``, while the run keyed it by
 the prompts it actually had, the 25 of the stable MT-bench held-out split. Both sides now call
 :func:`scenario_workload`, the run checks that it got the prompts the profile asks for
-(``fixtures/drafters.py``), and :func:`unreachable` says for any stored key why the profile can never
+(``kimi_perf/suite/drafters.py``), and :func:`unreachable` says for any stored key why the profile can never
 build it.
 
 What is exact and what is a pattern: the throughput scenarios (``single_stream``, ``throughput_sweep``,

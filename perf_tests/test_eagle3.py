@@ -3,7 +3,7 @@
 
 The drafter comes from the ``eagle3_drafter`` fixture (trained and cached on the profile's recipe, or
 ``--perf-drafter``). Speedup is an A/B measured in this run: the same held-out prompts through the same
-engine with and without speculative decoding, interleaved over R repeats (fixtures/drafters.py
+engine with and without speculative decoding, interleaved over R repeats (kimi_perf/suite/drafters.py
 ``Eagle3Runs.ab``, once per engine per session; acceptance and speedup read the same repeats).
 Baselines are keyed by the engine that served them. SGLang's acceptance comes from its per-request
 ``/generate`` meta_info (kimi_perf.eagle3.evaluate); vLLM's and the reference engine's from the
@@ -345,10 +345,10 @@ def test_acceptance_of_the_endpoint(perf_session, perf_engine_name, prompt_facto
     an endpoint serves its own drafter, so this test measures what it serves and gates it against the
     endpoint's stored baseline. An endpoint that shows no speculative decoding has no acceptance to read:
     a missing piece (skip, or a failure under CI=true or a named profile, kimi_perf.missing)."""
-    from fixtures.drafters import missing
     from kimi_perf.eagle3.evaluate import speculation_evidence
     from kimi_perf.keys import ENDPOINT_ACCEPTANCE, scenario_workload
     from kimi_perf.load.workload import Workload
+    from kimi_perf.suite.drafters import missing
 
     ep = perf_session.endpoint
     if ep is None:
