@@ -253,3 +253,15 @@ def test_the_suite_sits_below_the_plugin():
     down = [e for m in ("kimi_perf.plugin", "kimi_perf.session", "kimi_perf.recorder")
             for e in _package_edges(g, m, "kimi_perf.suite")]
     assert not down, down
+
+
+def test_tests_take_the_suites_objects_from_the_library_not_from_fixtures():
+    """Fixtures reach a test as arguments; anything a test imports by name lives in kimi_perf.suite.
+    An import from fixtures/ in a test body only fails when that test runs (found after the move: the
+    --perf-url acceptance test, which CI's default run skips, still imported missing() from there)."""
+    import re
+
+    bad = [f"{p.relative_to(PKG.parent)}:{i}" for d in ("tests", "perf_tests") for p in sorted((PKG.parent / d).rglob("*.py"))
+           if p.name != "test_structure.py"
+           for i, line in enumerate(p.read_text().splitlines(), 1) if re.match(r"\s*(from|import) fixtures\b", line)]
+    assert not bad, f"import these from kimi_perf.suite instead: {bad}"
