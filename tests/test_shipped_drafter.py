@@ -129,3 +129,53 @@ def test_a_trained_drafter_is_compared_with_the_shipped_one_file_by_file(tmp_pat
     (d / "model.safetensors").write_bytes(bytes(raw))
     got = compare_with_shipped(bundle, d)
     assert got["model.safetensors"] == "differs" and got["config.json"] == "identical" and not got["identical"]
+
+
+def _row_recipe(name: str):
+    from kimi_perf.eagle3.matrix import parse_row
+
+    r, row = _recipe(), parse_row(name)
+    return replace(r, features=replace(r.features, backend=row.backend, layer_offset=row.layer_offset,
+                                       transform=row.transform))
+
+
+def test_every_trained_row_of_the_reduced_matrix_is_shipped():
+    """The reduced matrix (main job) trains a drafter for each row whose feature path is not the recipe's;
+    the reference row cost ~6.5 of the main job's minutes on 2 cores until it shipped too. Tripwire: a
+    recipe change without re-exporting the rows fails here with the command that fixes it."""
+    from kimi_perf.profiles import load_profile
+
+    _, fp = _target()
+    plan = load_profile(ROOT / "profiles" / "embedded-cpu.json").eagle3.matrix
+    trained = [r for r in plan.ci_rows if r.backend != _recipe().features.backend or r.planted]
+    assert trained, "the reduced matrix has no row of its own feature path: this test guards nothing"
+    for row in trained:
+        bundle, why = find_shipped(_row_recipe(row.name), fp)
+        assert bundle is not None, (f"matrix row {row.name}: {why}. Fix: run the reduced matrix "
+                                    "(pytest -m perf perf_tests/test_matrix.py --perf-train-drafter), then python -m "
+                                    f"kimi_perf.eagle3.shipped export --row {row.name}, and commit the bundle")
+
+
+def test_a_row_drafter_exports_although_its_features_name_the_server_they_came_through(tmp_path):
+    """A matrix row's recipe carries the capture server's URL (a port of that run), which the pipeline's
+    digests leave out: export identifies the recipe by its digests, and the bundle stores no URL."""
+    from kimi_perf.eagle3.pipeline import _jsonable
+    from kimi_perf.eagle3.shipped import export
+
+    _, fp = _target()
+    bundle, _ = find_shipped(_row_recipe("reference"), fp)
+    assert bundle is not None
+    d = tmp_path / "drafter"
+    shutil.copytree(bundle.root / "drafter", d)
+    (d / "COMPLETE").write_text("ok\n")
+    served = replace(_row_recipe("reference"), features=replace(_row_recipe("reference").features,
+                                                                 server_url="http://127.0.0.1:41234"))
+    rep = json.loads((d / "report.json").read_text())
+    (d / "report.json").write_text(json.dumps({**rep, "recipe": _jsonable(served)}))
+    out = export(d, bundle.root / "heldout_samples.jsonl", _row_recipe("reference"), fp, out_root=tmp_path / "out")
+    assert "41234" not in (out / "drafter" / "report.json").read_text()
+    assert find_shipped(_row_recipe("reference"), fp, root=tmp_path / "out")[0] is not None
+    other = replace(served, train=replace(served.train, epochs=served.train.epochs + 1))
+    (d / "report.json").write_text(json.dumps({**rep, "recipe": _jsonable(other)}))
+    with pytest.raises(ShippedDrafterError, match="another recipe"):
+        export(d, bundle.root / "heldout_samples.jsonl", _row_recipe("reference"), fp, out_root=tmp_path / "out2")

@@ -113,8 +113,10 @@ def find_shipped(recipe: Any, target_fingerprint: str, root: Path = SHIPPED_ROOT
 
 
 def install(bundle: ShippedDrafter, recipe: Any, target_dir: Path, target_fingerprint: str, *,
-            root: Path | None = None) -> Any:
-    """Unpack ``bundle`` into the cache (once) and return it as the pipeline's DrafterArtifact."""
+            root: Path | None = None, heldout_features: bool = True) -> Any:
+    """Unpack ``bundle`` into the cache (once) and return it as the pipeline's DrafterArtifact.
+    ``heldout_features``: also extract the held-out samples' training-style features (the session
+    drafter's stored-features alignment test reads them; a matrix row's drafter is only served)."""
     from .data import read_samples
     from .features import extract_features
     from .pipeline import DrafterArtifact
@@ -132,7 +134,7 @@ def install(bundle: ShippedDrafter, recipe: Any, target_dir: Path, target_finger
             (out / "COMPLETE").write_text("shipped\n")
         report = json.loads((out / "report.json").read_text())
         samples = list(read_samples(samples_path).values())
-        if not (feat_dir / "COMPLETE").is_file():
+        if heldout_features and not (feat_dir / "COMPLETE").is_file():
             log(f"drafter: extracting training-style features of the {len(samples)} shipped held-out samples "
                 f"(for the stored-features alignment test) into {feat_dir}")
             extract_features(samples, target_dir, feat_dir, recipe.features, model_fingerprint=target_fingerprint,
@@ -169,10 +171,19 @@ def export(drafter_dir: Path, samples_path: Path, recipe: Any, target_fingerprin
     drafter_dir, samples_path = Path(drafter_dir), Path(samples_path)
     if not (drafter_dir / "COMPLETE").is_file():
         raise ShippedDrafterError(f"{drafter_dir}: not a finished pipeline drafter (no COMPLETE)")
+    from .pipeline import DrafterRecipe
+
     report = json.loads((drafter_dir / "report.json").read_text())
-    if report.get("recipe") != _jsonable(recipe):
+    # the pipeline's identity of a recipe is its digests: a matrix row's features name the server they were
+    # captured through (server_url, a port of that run), which the digests leave out and so does this check
+    try:
+        same = recipe_key(DrafterRecipe.from_dict(report.get("recipe") or {})) == recipe_key(recipe)
+    except (TypeError, ValueError):
+        same = False
+    if not same:
         raise ShippedDrafterError(f"{drafter_dir} was trained by another recipe than the profile's: "
                                   f"{report.get('recipe')} vs {_jsonable(recipe)}")
+    report = {**report, "recipe": _jsonable(recipe)}
     held = set(report["data"]["heldout_ids"])
     samples = [s for sid, s in read_samples(samples_path).items() if sid in held]
     if len(samples) != len(held):
@@ -234,14 +245,26 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--profile", default="embedded-cpu")
     ex.add_argument("--drafter-dir", type=Path, default=None,
                     help="the pipeline's drafter directory (default: where build_drafter caches this recipe)")
+    ex.add_argument("--row", default=None, metavar="ROW",
+                    help="export the drafter of this extraction-matrix row (e.g. reference: the recipe with the "
+                         "row's feature path), which the reduced matrix then serves instead of training")
     ck = sub.add_parser("check", help="say whether a shipped drafter applies to a profile's recipe on this target")
     ck.add_argument("--profile", default="embedded-cpu")
+    ck.add_argument("--row", default=None, metavar="ROW", help="check the bundle of this extraction-matrix row")
     a = ap.parse_args(argv)
     prof, recipe = _profile_recipe(a.profile)
     if (prof.get("model") or {}).get("source") != "embedded":
         raise SystemExit(f"profile {a.profile}: only the embedded model ships a drafter")
     model = ensure_embedded_model()
     fp = model_fingerprint(model.path)
+    if a.row:
+        from dataclasses import replace
+
+        from .matrix import parse_row
+
+        row = parse_row(a.row)
+        recipe = replace(recipe, features=replace(recipe.features, backend=row.backend, layer_offset=row.layer_offset,
+                                                  transform=row.transform))
     if a.cmd == "check":
         try:
             b, why = find_shipped(recipe, fp)

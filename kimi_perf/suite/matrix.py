@@ -179,6 +179,11 @@ class ExtractionMatrix:
             log(f"matrix: row {row.name} uses the session's drafter ({self.drafter.path})")
             self._reports[row.name] = self.drafter.report
             return self.drafter.path
+        recipe = replace(self.recipe, features=spec, train=train)
+        if seed is None and not self.s.train_drafter:
+            shipped = self._shipped(row, recipe)
+            if shipped is not None:
+                return shipped
         from transformers import AutoTokenizer
 
         log(f"matrix: training the drafter of row {row.name} ({row.describe()})"
@@ -187,13 +192,33 @@ class ExtractionMatrix:
             + (" and the seed differ" if seed is not None else " differs"))
         gen_cfg = engine_config(self.s, "reference", self.target,
                                 max_running_requests=max(self.recipe.data.concurrency, 1))
-        art = build_drafter(replace(self.recipe, features=spec, train=train), self.target.path,
+        art = build_drafter(recipe, self.target.path,
                             self.target.fingerprint, gen_url=lambda: self.pool.get(gen_cfg).base_url,
                             tokenizer=AutoTokenizer.from_pretrained(str(self.target.path)))
         self.pool.stop(gen_cfg)
         if seed is None:
             self._reports[row.name] = art.report
         return art.path
+
+    def _shipped(self, row: Any, recipe: Any) -> Path | None:
+        """A row drafter shipped in the package (kimi_perf.eagle3.shipped), as the session's drafter is:
+        the reduced matrix's reference row costs ~6.5 minutes to train on the 2-core box (regenerating the
+        recipe's samples, capturing features through the reference engine, training), more than the rest
+        of the main job's EAGLE-3 work. Trusted only for this recipe and target; --perf-train-drafter
+        (CI) trains it instead, so the capture-to-training path stays tested on every merge."""
+        from kimi_perf.eagle3.shipped import ShippedDrafterError, find_shipped, install
+
+        try:
+            bundle, why = find_shipped(recipe, self.target.fingerprint)
+        except ShippedDrafterError as ex:
+            pytest.fail(f"matrix row {row.name}: {ex}", pytrace=False)
+        if bundle is None:
+            log(f"matrix: row {row.name}: {why}")
+            return None
+        log(f"matrix: row {row.name} serves the {why}; --perf-train-drafter trains it instead")
+        art = install(bundle, recipe, self.target.path, self.target.fingerprint, heldout_features=False)
+        self._reports[row.name] = art.report
+        return Path(art.path)
 
     def accept(self, row: Any, engine: str) -> Any:
         """AcceptanceResult of the row's drafter served by ``engine`` on the held-out prompts."""
