@@ -324,7 +324,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
 @pytest.fixture
 def perf_gate(request: pytest.FixtureRequest) -> PerfGate:
     """Gate measured samples against ``baselines/<profile>.json`` (see :meth:`PerfGate.check`)."""
-    return PerfGate(get_session(request.config), request.node)
+    return PerfGate(get_session(request.config).gate_context(), request.node)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ import pytest
 from .baselines import BaselineKey
 from .metrics import METRICS, get_metric
 from .results import drain, request_lines, write_requests
-from .session import PerfSession
+from .session import GateContext
 from .stats import GateDecision, confirm_gate, gate
 
 if TYPE_CHECKING:
@@ -64,14 +64,14 @@ def _finite(v: float) -> bool:
 class PerfGate:
     """Per-test recorder: ``perf_gate.check(...)`` gates metrics against the stored baseline."""
 
-    def __init__(self, session: PerfSession, node: pytest.Item) -> None:
-        self.session = session
+    def __init__(self, ctx: GateContext, node: pytest.Item) -> None:
+        self.ctx = ctx
         self.node = node
         self.decisions: list[GateDecision] = []
         self._seq = 0  # request files written by this test's checks
 
     def key(self, *, scenario: str, engine: str, model: str, workload: str, concurrency: int) -> BaselineKey:
-        return BaselineKey(scenario=scenario, engine=engine, model=model, hardware=self.session.hardware,
+        return BaselineKey(scenario=scenario, engine=engine, model=model, hardware=self.ctx.hardware,
                            workload=workload, concurrency=concurrency)
 
     def check(
@@ -106,7 +106,7 @@ class PerfGate:
         ``decided``: decisions the test made itself against a fixed bound (e.g. a same-run ratio's
         interval vs 1.0); recorded and reported with the others, FAIL raises, INCONCLUSIVE warns.
         """
-        s = self.session
+        s = self.ctx
         measured = drain()  # the repeats the test measured for this check (kimi_perf.results)
         for m in [*samples, *gated]:
             get_metric(m)  # unknown metric name: a KeyError that lists the known ones
@@ -126,7 +126,7 @@ class PerfGate:
             return entry.metrics[m].samples if entry is not None and m in entry.metrics else None
 
         def decide(smp: Mapping[str, Sequence[float]]) -> list[GateDecision]:
-            return [gate(METRICS[m], base_of(m), smp[m], s.gate_config(m), independent=m not in dependent)
+            return [gate(METRICS[m], base_of(m), smp[m], s.gate.for_metric(m), independent=m not in dependent)
                     for m in gated]
 
         decisions = decide(samples)
@@ -146,7 +146,7 @@ class PerfGate:
             if missing:
                 raise ValueError(f"the confirming measurement did not measure gated metric(s) {missing}")
             # pooled, not replaced: the recorded samples are what the reported decision used
-            decisions = [confirm_gate(METRICS[m], base_of(m), samples[m], again[m], s.gate_config(m),
+            decisions = [confirm_gate(METRICS[m], base_of(m), samples[m], again[m], s.gate.for_metric(m),
                                       independent=m not in dependent) for m in gated]
             samples = {m: [*samples.get(m, []), *again.get(m, [])] for m in {**samples, **again}}
         if refs:
@@ -199,7 +199,7 @@ class PerfGate:
         if not lines:
             return
         self._seq += 1
-        rel = write_requests(self.session.report_dir, self.node.nodeid, self._seq, lines)
+        rel = write_requests(self.ctx.report_dir, self.node.nodeid, self._seq, lines)
         record["requests"] = {"file": rel, "count": len(lines), "repeats": len(first) + len(confirming)}
 
     def check_ab(self, outcome: ABOutcome, *, scenario: str, engine: str, model: str,
@@ -207,12 +207,12 @@ class PerfGate:
         """Record a same-run A/B outcome (every pair, every decision) and gate it: a FAIL raises
         :class:`PerfRegression` naming metric, direction, base, candidate, interval and threshold; an
         INCONCLUSIVE verdict is a :class:`PerfWarning` with its interval, never a silent pass."""
-        s = self.session
+        s = self.ctx
         probes = outcome.probes
         key = self.key(scenario=scenario, engine=engine, model=model,
                        workload="+".join(p.workload.key for p in probes) or scenario,
                        concurrency=max((p.workload.concurrency for p in probes), default=1))
-        ab = {**outcome.to_json(), "base_spec": s.ab.describe() if s.ab else None}
+        ab = {**outcome.to_json(), "base_spec": s.ab_base}
         record: dict[str, Any] = {
             "nodeid": self.node.nodeid, "key": key.as_dict(), "engine_version": outcome.versions.get("candidate"),
             "baseline_engine_version": outcome.versions.get("base"), "samples": {}, "decisions": [],

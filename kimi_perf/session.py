@@ -22,7 +22,7 @@ from .baselines import BaselineError, BaselineStore
 from .endpoint import Endpoint
 from .machine import gpu_info, hardware_key
 from .options import OPTION_BOUNDS, _opt
-from .profiles import Profile, ProfileError, find_profile, load_profile
+from .profiles import GateSpec, Profile, ProfileError, find_profile, load_profile
 
 
 @dataclass
@@ -59,6 +59,30 @@ class PerfSession:
     @property
     def is_worker(self) -> bool:
         return hasattr(self.config, "workerinput")
+
+
+    def gate_context(self) -> GateContext:
+        """What a test's ``perf_gate`` needs of the session, and nothing else."""
+        return GateContext(store=self.store, hardware=self.hardware, report_dir=self.report_dir, update=self.update,
+                           gate=self.profile.gate, ab_base=self.ab.describe() if self.ab else None)
+
+
+@dataclass(frozen=True)
+class GateContext:
+    """The part of a session the ``perf_gate`` recorder (:class:`kimi_perf.recorder.PerfGate`) reads.
+
+    Why not the session: PerfSession is a 20-field mutable object (config, engines, caches, the
+    endpoint, ...), and a recorder handed all of it can come to depend on any of it; pytest-benchmark
+    hands its fixture only what it uses (storage, options, the node). Here: where baselines live and
+    whether this run updates them, the hardware key of every baseline key, the profile's gate
+    tolerances, where request files go, and the A/B base the run compares against (for the record)."""
+
+    store: BaselineStore
+    hardware: str
+    report_dir: Path
+    update: bool
+    gate: GateSpec
+    ab_base: dict[str, Any] | None = None
 
 
 SESSION_KEY = pytest.StashKey[PerfSession]()

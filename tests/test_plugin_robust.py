@@ -122,12 +122,12 @@ def test_read_only_baseline_dir_is_refused_up_front(project):
 RACE = '''
 from pathlib import Path
 import pytest
-from kimi_perf.baselines import BaselineEntry, BaselineKey, BaselineStore, MetricSamples
+from kimi_perf.baselines import BaselineEntry, BaselineStore, MetricSamples
 
 @pytest.mark.perf
 def test_speed(perf_gate):
     # another run records the same key while this one is measuring
-    key = BaselineKey("toy", "reference", "toy-model", perf_gate.session.hardware, "w-1", 1)
+    key = perf_gate.key(scenario="toy", engine="reference", model="toy-model", workload="w-1", concurrency=1)
     other = BaselineEntry(key=key, metrics={{"output_throughput": MetricSamples("tok/s", "higher", (50.0,) * 3)}},
                           commit="other", source="the other job")
     BaselineStore(Path("baselines") / "toy.json", "toy").write([other])
