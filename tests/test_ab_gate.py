@@ -445,9 +445,12 @@ def test_parallel_launch_rounds_measure_like_sequential_ones_and_a_failed_side_s
     spec = ABSpec(threshold=0.05, min_blocks=2, max_blocks=4, repeats_per_block=1, blocks_per_launch=2,
                   parallel_launch=True)
     assert "both sides launched together" in spec.launch_schedule
-    base, cand = FakeSide("base", tmp_path), FakeSide("candidate", tmp_path, plant="0.3")
+    events: list = []
+    base = FakeSide("base", tmp_path, events=events)
+    cand = FakeSide("candidate", tmp_path, plant="0.3", events=events)
     out = run_ab(base, cand, _probes(), spec, _prompts)
     assert out.blocks == 4 and out.decisions[0].verdict == "FAIL", out.decisions[0].message()
+    assert [e[0] for e in events] == ["base", "candidate", "candidate", "base"]  # staggered: ABBA kept
     assert [(x["role"], x["round"], x["together"]) for x in out.launches] == [
         ("base", 0, True), ("candidate", 0, True), ("candidate", 1, True), ("base", 1, True)]
     cand2 = FakeSide("candidate", tmp_path)

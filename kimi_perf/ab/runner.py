@@ -314,12 +314,14 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
 
 
 def launch_together(roles: Sequence[str], start: Callable[[str], RunningServer], executor: Executor, *,
-                    every_s: float = 10.0) -> dict[str, tuple[RunningServer | BaseException, float]]:
+                    every_s: float = 10.0, stagger_s: float = 0.5) -> dict[str, tuple[RunningServer | BaseException, float]]:
     """Start every side at once (``ab.parallel_launch``): each side's blocking ``start`` runs on its own
     worker of ``executor``, submitted in ``roles`` order (so the ABBA launch order still says who went
     first), while this thread waits and prints progress -- progress lines from worker threads bypass
     pytest's capture suspension (:mod:`kimi_perf.progress`), so the waiting is reported from here.
     Returns, per role, the server or the exception its start raised, and the time its start began.
+    Starts are ``stagger_s`` apart: without it the threads raced and the side due second was often
+    spawned first (seen on the CPU box), which would turn the ABBA launch order into a coin toss.
 
     The executor must outlive the servers: a server's parent-death signal (``PR_SET_PDEATHSIG``, see
     :mod:`kimi_perf.launcher`) fires when the *thread* that spawned it exits, so a pool shut down after
@@ -327,7 +329,11 @@ def launch_together(roles: Sequence[str], start: Callable[[str], RunningServer],
     from concurrent.futures import wait
 
     t0 = time.monotonic()
-    futs = {role: (executor.submit(start, role), time.monotonic()) for role in roles}
+    futs = {}
+    for i, role in enumerate(roles):
+        if i:
+            time.sleep(stagger_s)
+        futs[role] = (executor.submit(start, role), time.monotonic())
     pending = {f for f, _ in futs.values()}
     while pending:
         _done, pending = wait(pending, timeout=every_s)
