@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from .ab.config import ABConfigError
 from .baselines import BaselineError, BaselineStore
 from .endpoint import Endpoint
 from .machine import gpu_info, hardware_key
+from .missing import MissingPolicy
 from .options import OPTION_BOUNDS, _opt
 from .profiles import GateSpec, Profile, ProfileError, find_profile, load_profile
 
@@ -66,6 +68,17 @@ class PerfSession:
         return GateContext(store=self.store, hardware=self.hardware, report_dir=self.report_dir, update=self.update,
                            gate=self.profile.gate, ab_base=self.ab.describe() if self.ab else None)
 
+    def missing_policy(self) -> MissingPolicy:
+        """What the skip-or-fail rule (:mod:`kimi_perf.missing`) reads of this session."""
+        return MissingPolicy.of(self.config)
+
+    def server_settings(self) -> ServerSettings:
+        """What the engine servers (``kimi_perf.suite.servers``) need of the session, and nothing else."""
+        return ServerSettings(profile_name=self.profile.name, profile_path=self.profile.path,
+                              engines=self.profile.engines, engine_pythons=dict(self.engine_pythons),
+                              server_timeout_s=self.server_timeout_s, allow_remote_bind=self.allow_remote_bind,
+                              log_dir=self.report_dir / "logs", policy=self.missing_policy())
+
 
 @dataclass(frozen=True)
 class GateContext:
@@ -83,6 +96,23 @@ class GateContext:
     update: bool
     gate: GateSpec
     ab_base: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What the server pool and ``engine_config`` (:mod:`kimi_perf.suite.servers`) read: the profile's
+    engine entries (and its name and path, for messages), the engine interpreters, the launch timeout,
+    whether a non-loopback bind is allowed, where server logs go, and the skip-or-fail policy for an
+    engine environment or a server that is not there. Built by :meth:`PerfSession.server_settings`."""
+
+    profile_name: str
+    profile_path: Path
+    engines: Mapping[str, Mapping[str, Any]]
+    engine_pythons: Mapping[str, str]
+    server_timeout_s: float
+    allow_remote_bind: bool = False
+    log_dir: Path = Path("logs")
+    policy: MissingPolicy = MissingPolicy()
 
 
 SESSION_KEY = pytest.StashKey[PerfSession]()

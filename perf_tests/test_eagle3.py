@@ -183,7 +183,7 @@ def test_lossless_in_fp32(eagle3_drafter, server_pool, perf_session, target_mode
     w = Workload(name="lossless", dataset="mtbench", input_len=max(map(len, prompts)), output_len=48,
                  num_prompts=len(prompts), concurrency=4, warmup=0, ignore_eos=True)
     texts = {}
-    for name, cfg in (("plain", engine_config(perf_session, "reference", target_model, dtype="float32")),
+    for name, cfg in (("plain", engine_config(perf_session.server_settings(), "reference", target_model, dtype="float32")),
                       ("spec", spec_engine_config(perf_session, target_model, eagle3_drafter.path,
                                                   eagle3_drafter.steps, dtype="float32"))):
         srv = server_pool.get(cfg)
@@ -310,7 +310,7 @@ def test_acceptance_in_vllm(eagle3_drafter, eagle3_runs, perf_session, target_mo
         pytest.skip("vllm is in eagle3.engines: measured by test_acceptance[vllm] and test_speedup_vs_no_spec[vllm]")
     from kimi_perf.engines.base import SpecConfig
 
-    cfg = engine_config(perf_session, "vllm", target_model,
+    cfg = engine_config(perf_session.server_settings(), "vllm", target_model,
                         spec=SpecConfig(draft_model_path=str(eagle3_drafter.path), steps=eagle3_drafter.steps))
     max_new, _, _ = _eval(perf_session)
     srv = server_pool.get(cfg, exclusive=True)

@@ -30,9 +30,11 @@ from kimi_perf.alignment.plan import (
     selected_engines,
     serving_dtype,
 )
+from kimi_perf.missing import MissingPolicy
 from kimi_perf.plugin import SESSION_KEY
 from kimi_perf.profiles import ProfileError, load_profile
 from kimi_perf.sections import SectionError, parse_alignment, parse_eagle3
+from kimi_perf.session import ServerSettings
 from kimi_perf.suite.alignment import AlignmentContext, AlignmentSettings
 from kimi_perf.suite.drafters import (
     DrafterHandle,
@@ -68,8 +70,17 @@ def session(profile: Any = H200, engines: tuple[str, ...] | None = None, *, expl
                         engine_pythons={"sglang": "/venv-sglang/bin/python", "vllm": "/venv-vllm/bin/python"}
                         if pythons is None else pythons, server_timeout_s=600.0, allow_remote_bind=False,
                         repeats=2, drafter_path=None)
+    s.missing_policy = lambda: MissingPolicy(profile.name if explicit else None)
+    s.server_settings = lambda: settings(s)
     cfg.stash[SESSION_KEY] = s
     return s
+
+
+def settings(s: Any) -> ServerSettings:
+    """What ``PerfSession.server_settings`` builds, for the fake session above."""
+    return ServerSettings(profile_name=s.profile.name, profile_path=s.profile.path, engines=s.profile.engines,
+                          engine_pythons=s.engine_pythons, server_timeout_s=s.server_timeout_s,
+                          allow_remote_bind=s.allow_remote_bind, policy=s.missing_policy())
 
 
 TARGET = TargetModel("SmolLM2-135M-Instruct", Path("/models/smollm2"), "embedded", "fp")
@@ -212,13 +223,13 @@ def test_sglang_ab_servers_return_hidden_states_and_are_the_ones_alignment_asks_
 def test_vllm_plain_side_is_the_throughput_config_and_sglang_without_alignment_is_unchanged():
     s = session()
     cfgs = eagle3_server_configs(s, TARGET, "vllm", Path("/d"), 3)
-    assert cfgs["plain"] == engine_config(s, "vllm", TARGET)  # reused when the throughput server still runs
+    assert cfgs["plain"] == engine_config(settings(s), "vllm", TARGET)  # reused when the throughput server still runs
     assert cfgs["spec"].name == "vllm-spec" and cfgs["spec"].spec is not None
     ref = eagle3_server_configs(s, TARGET, "reference", Path("/d"), 3)
     assert ref["plain"].max_running_requests == 4 == ref["spec"].max_running_requests
     no_align = dataclasses.replace(H200, alignment=dataclasses.replace(H200.alignment, engines=("reference",)))
     sg = eagle3_server_configs(session(no_align), TARGET, "sglang", Path("/d"), 3)
-    assert not sg["plain"].return_hidden_states and sg["plain"] == engine_config(session(no_align), "sglang", TARGET)
+    assert not sg["plain"].return_hidden_states and sg["plain"] == engine_config(settings(session(no_align)), "sglang", TARGET)
 
 
 class FakePool:
@@ -401,10 +412,10 @@ def test_a_missing_engine_environment_for_a_server_follows_the_same_policy(monke
     monkeypatch.delenv("CI", raising=False)
     monkeypatch.delenv("KIMI_PERF_SKIP_VLLM", raising=False)
     with pytest.raises(pytest.skip.Exception, match="scripts/setup.sh --full makes .venv-vllm"):
-        engine_config(session(pythons={}), "vllm", TARGET)
+        engine_config(settings(session(pythons={})), "vllm", TARGET)
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match="a failure, not a skip: CI=true"):
-        engine_config(session(pythons={}), "vllm", TARGET)
+        engine_config(settings(session(pythons={})), "vllm", TARGET)
     monkeypatch.setenv("KIMI_PERF_SKIP_VLLM", "1")
     with pytest.raises(pytest.skip.Exception, match="KIMI_PERF_SKIP_VLLM=1"):
-        engine_config(session(pythons={}), "vllm", TARGET)
+        engine_config(settings(session(pythons={})), "vllm", TARGET)

@@ -62,14 +62,14 @@ class PerfAB:
 
     def configs(self, engine: str, **overrides: Any) -> tuple[EngineConfig, EngineConfig]:
         """(base, candidate) engine configs for the profile's ``engine``."""
-        cand = engine_config(self.s, engine, self.target, **overrides)
+        cand = engine_config(self.s.server_settings(), engine, self.target, **overrides)
         cand = replace(cand, name=f"{engine}-candidate")
         if self.base.kind == "git" and cand.kind != "reference":
             pytest.skip(f"--perf-ab {self.base.spec} compares this repository's code; {engine} ({cand.kind}) does not "
                         "run it. Compare engine releases with a variant (\"interpreter\": \"cli\")")
 
         def build(name: str, **settings: Any) -> EngineConfig:
-            return engine_config(self.s, name, self.target, **{**overrides, **settings})
+            return engine_config(self.s.server_settings(), name, self.target, **{**overrides, **settings})
 
         try:
             base = base_engine_config(cand, self.base, build=build, cache_dir=cache_root())

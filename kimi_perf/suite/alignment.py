@@ -146,7 +146,7 @@ class AlignmentContext:
         return self._hf[dtype]
 
     def server_config(self, dtype: str) -> Any:
-        return engine_config(self.s, "reference", self.target, dtype=dtype, aux_hidden_states=True,
+        return engine_config(self.s.server_settings(), "reference", self.target, dtype=dtype, aux_hidden_states=True,
                              aux_layer_ids=tuple(self.st.served), max_running_requests=8)
 
     def server(self, dtype: str) -> Any:
@@ -261,7 +261,7 @@ class AlignmentContext:
         key = (engine, tuple(layers))
         if key not in self._extract_dirs:
             self._extract_dirs[key] = tempfile.mkdtemp(prefix="kimi-perf-vllm-hs-")
-        return engine_config(self.s, engine, self.target, extract_hidden_layers=tuple(layers),
+        return engine_config(self.s.server_settings(), engine, self.target, extract_hidden_layers=tuple(layers),
                              extract_dir=self._extract_dirs[key])
 
     def vllm_capture(self, engine: str, layers: tuple[int, ...]) -> EngineCapture:

@@ -77,7 +77,7 @@ def require_engine(s: PerfSession, name: str) -> str:
         raise pytest.UsageError(f"profile {s.profile.path} defines no engine {name!r} (engines: "
                                 f"{', '.join(s.profile.engines)})")
     kind = str(raw["kind"])
-    require_engine_python(s, name, kind)
+    require_engine_python(s.server_settings(), name, kind)
     return kind
 
 
@@ -138,7 +138,7 @@ def session_drafter(s: PerfSession, target: TargetModel, pool: ServerPool) -> Dr
             build_items(recipe.data)  # the recipe's prompt sources are on disk (setup fetches them)
         except FileNotFoundError as ex:
             missing(s, f"the drafter recipe's prompt data is missing: {ex}")
-        gen_cfg = engine_config(s, "reference", target,
+        gen_cfg = engine_config(s.server_settings(), "reference", target,
                                 max_running_requests=max(recipe.data.concurrency, 1))
         # the generation server starts only if samples are missing (a cached drafter needs none)
         art = build_drafter(recipe, target.path, target.fingerprint,
@@ -171,7 +171,7 @@ def spec_engine_config(s: PerfSession, target: TargetModel, drafter_path: Path, 
                        engine: str = "reference", **overrides: Any) -> Any:
     from kimi_perf.engines.base import SpecConfig
 
-    return engine_config(s, engine, target, spec=SpecConfig(draft_model_path=str(drafter_path), steps=steps),
+    return engine_config(s.server_settings(), engine, target, spec=SpecConfig(draft_model_path=str(drafter_path), steps=steps),
                          **overrides)
 
 
@@ -203,7 +203,7 @@ def eagle3_server_configs(s: PerfSession, target: TargetModel, engine: str, draf
     if serves_alignment(s, engine):
         over["return_hidden_states"] = True
         tags = ("hs", "spec-hs")
-    return {"plain": engine_config(s, engine, target, tag=tags[0], **over),
+    return {"plain": engine_config(s.server_settings(), engine, target, tag=tags[0], **over),
             "spec": spec_engine_config(s, target, drafter_path, steps, engine=engine, tag=tags[1], **over)}
 
 

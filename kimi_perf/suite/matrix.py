@@ -190,7 +190,7 @@ class ExtractionMatrix:
             + (f", training seed {seed}" if seed is not None else "")
             + "; same samples and recipe as the session's drafter, only the feature path"
             + (" and the seed differ" if seed is not None else " differs"))
-        gen_cfg = engine_config(self.s, "reference", self.target,
+        gen_cfg = engine_config(self.s.server_settings(), "reference", self.target,
                                 max_running_requests=max(self.recipe.data.concurrency, 1))
         art = build_drafter(recipe, self.target.path,
                             self.target.fingerprint, gen_url=lambda: self.pool.get(gen_cfg).base_url,
