@@ -200,8 +200,6 @@ def _stored_and_live(eagle3_drafter, alignment, dtype="bfloat16", n=2):
     from kimi_perf.alignment.extract import server_hidden_states, stored_hidden_states
     from kimi_perf.eagle3.features import FeatureStore
 
-    _reference_selected(alignment.s)
-
     if eagle3_drafter.feature_dir is None:
         pytest.skip("--perf-drafter was given: no stored features of this session to compare")
     ids = [i for i in eagle3_drafter.heldout_ids if i in set(FeatureStore(eagle3_drafter.feature_dir).sample_ids)][:n]
@@ -212,10 +210,11 @@ def _stored_and_live(eagle3_drafter, alignment, dtype="bfloat16", n=2):
 
 
 @pytest.mark.alignment
-def test_stored_features_match_inference(eagle3_drafter, alignment, perf_gate, target_model):
+def test_stored_features_match_inference(eagle3_drafter, alignment, perf_gate, target_model, perf_session):
     """The drafter's training shards (with their manifest provenance) vs the serving path, same tokens."""
     from kimi_perf.alignment.diagnose import check_layers
 
+    _reference_selected(perf_session)
     stored, live = _stored_and_live(eagle3_drafter, alignment)
     layers = [*json.loads((eagle3_drafter.feature_dir / "manifest.json").read_text())["layers"], "final"]
     # each layer on its own threshold (the loosest layer's would blind the early ones)

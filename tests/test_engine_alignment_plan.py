@@ -375,7 +375,8 @@ def test_alignment_capture_names_columns_and_a_failed_prefetch_is_reported_not_r
                            aux=(2, 15, 27), engines=("reference", "sglang", "vllm"))
     s = session()
     cfgs = eagle3_server_configs(s, TARGET, "sglang", tmp_path / "drafter", 3)
-    ctx = AlignmentContext(s, TARGET, FakePool(), st)  # type: ignore[arg-type]
+    ctx = AlignmentContext(TARGET, FakePool(), st, servers=settings(s), store=None,  # type: ignore[arg-type]
+                           hardware="cpu")
     ctx._prompts = [[1, 3923, 374, 279, 6864]]
     with serve(handle) as url:
         srv = SimpleNamespace(base_url=url, version="0.5.17", config=cfgs["spec"])
