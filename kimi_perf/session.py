@@ -25,6 +25,7 @@ from .machine import gpu_info, hardware_key
 from .missing import MissingPolicy
 from .options import OPTION_BOUNDS, _opt
 from .profiles import GateSpec, Profile, ProfileError, find_profile, load_profile
+from .sections import Eagle3Section
 
 
 @dataclass
@@ -79,6 +80,12 @@ class PerfSession:
                               server_timeout_s=self.server_timeout_s, allow_remote_bind=self.allow_remote_bind,
                               log_dir=self.report_dir / "logs", policy=self.missing_policy())
 
+    def eagle3_settings(self) -> Eagle3Settings:
+        """What the EAGLE-3 drafter and A/B (``kimi_perf.suite.drafters``) need of the session."""
+        return Eagle3Settings(servers=self.server_settings(), eagle3=self.profile.eagle3,
+                              alignment_engines=self.profile.alignment.engines, repeats=self.repeats,
+                              drafter_path=self.drafter_path, train_drafter=self.train_drafter)
+
 
 @dataclass(frozen=True)
 class GateContext:
@@ -113,6 +120,21 @@ class ServerSettings:
     allow_remote_bind: bool = False
     log_dir: Path = Path("logs")
     policy: MissingPolicy = MissingPolicy()
+
+
+@dataclass(frozen=True)
+class Eagle3Settings:
+    """What the EAGLE-3 drafter and its A/B (:mod:`kimi_perf.suite.drafters`) read: the servers'
+    settings, the profile's ``eagle3`` section (None: the profile has none, the tests skip), the
+    ``alignment.engines`` whose SGLang servers also return hidden states, the repeats, and the
+    ``--perf-drafter`` / ``--perf-train-drafter`` options. Built by :meth:`PerfSession.eagle3_settings`."""
+
+    servers: ServerSettings
+    eagle3: Eagle3Section | None
+    alignment_engines: tuple[str, ...]
+    repeats: int
+    drafter_path: str | None = None
+    train_drafter: bool = False
 
 
 SESSION_KEY = pytest.StashKey[PerfSession]()

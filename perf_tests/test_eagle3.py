@@ -49,7 +49,7 @@ pytestmark = [pytest.mark.perf, pytest.mark.eagle]
 
 
 def _eval(s):
-    return eval_settings(s)
+    return eval_settings(s.eagle3_settings())
 
 
 def _engine(perf_session):
@@ -184,7 +184,7 @@ def test_lossless_in_fp32(eagle3_drafter, server_pool, perf_session, target_mode
                  num_prompts=len(prompts), concurrency=4, warmup=0, ignore_eos=True)
     texts = {}
     for name, cfg in (("plain", engine_config(perf_session.server_settings(), "reference", target_model, dtype="float32")),
-                      ("spec", spec_engine_config(perf_session, target_model, eagle3_drafter.path,
+                      ("spec", spec_engine_config(perf_session.eagle3_settings(), target_model, eagle3_drafter.path,
                                                   eagle3_drafter.steps, dtype="float32"))):
         srv = server_pool.get(cfg)
         res = run_workload(srv.base_url, srv.model, prompts, w)
@@ -277,7 +277,7 @@ def test_layer_mismatch_collapses_acceptance_and_is_named(eagle3_runs, eagle3_dr
     # the reference engine's own A/B: the mismatched drafter is served by the reference engine below
     good = _ab(request, eagle3_runs, "reference").median_accept_length()
     prompts = [list(p) for p in eagle3_drafter.eval_prompts]
-    scfg = spec_engine_config(perf_session, target_model, bad, eagle3_drafter.steps, max_running_requests=4)
+    scfg = spec_engine_config(perf_session.eagle3_settings(), target_model, bad, eagle3_drafter.steps, max_running_requests=4)
     srv = server_pool.get(scfg)
     res = measure_generation(srv.base_url, srv.model, prompts, max_new, name="eagle3-mismatch")
     server_pool.stop(scfg)
@@ -356,7 +356,7 @@ def test_acceptance_of_the_endpoint(perf_session, perf_engine_name, prompt_facto
     srv = request.getfixturevalue("perf_server")
     how = speculation_evidence(srv.base_url, srv.headers)
     if how is None:
-        missing(perf_session, f"--perf-url {ep.url}: the endpoint reports no speculative decoding (no "
+        missing(perf_session.eagle3_settings(), f"--perf-url {ep.url}: the endpoint reports no speculative decoding (no "
                 "vllm:spec_decode_* counters on /metrics, no speculative_algorithm in /server_info), so there "
                 "is no EAGLE-3 acceptance to read; serve it with a drafter (vLLM --speculative-config, SGLang "
                 "--speculative-algorithm EAGLE3) or deselect with -m 'not eagle'", engine_kind=srv.kind)

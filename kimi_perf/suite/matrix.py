@@ -75,7 +75,7 @@ class ExtractionMatrix:
         (the serving condition: batched greedy decode), suite convention (entering layer k)."""
         if engine not in self._inference:
             kind = self.kind(engine)
-            require_engine(self.s, engine)
+            require_engine(self.s.eagle3_settings(), engine)
             if kind == "reference":
                 self._inference[engine] = self.al.inference(self.recipe.features.dtype)
             elif kind == "vllm":
@@ -92,7 +92,7 @@ class ExtractionMatrix:
         spec = self.runs.configs(engine)["spec"]
         if getattr(spec, "return_hidden_states", False):
             return spec
-        return spec_engine_config(self.s, self.target, self.drafter.path, self.drafter.steps, engine=engine,
+        return spec_engine_config(self.s.eagle3_settings(), self.target, self.drafter.path, self.drafter.steps, engine=engine,
                                   tag="spec-hs", return_hidden_states=True)
 
     def _sglang_inference(self, engine: str) -> list[Any]:
@@ -139,7 +139,7 @@ class ExtractionMatrix:
         from kimi_perf.eagle3.features import feature_layers
 
         eng = self.engine_of_kind(row.base)
-        require_engine(self.s, eng)
+        require_engine(self.s.eagle3_settings(), eng)
         if row.base == "vllm":
             _, captured = feature_layers(self.spec(row), self.al.st.num_layers)
             cfg = self.al.vllm_config(eng, captured)
@@ -231,11 +231,11 @@ class ExtractionMatrix:
             if path == self.drafter.path:
                 self._accept[key] = self.runs.accept_length(engine)[0]
             else:
-                require_engine(self.s, engine)
+                require_engine(self.s.eagle3_settings(), engine)
                 over = {"max_running_requests": 4} if self.kind(engine) == "reference" else {}
-                cfg = spec_engine_config(self.s, self.target, path, self.drafter.steps, engine=engine,
+                cfg = spec_engine_config(self.s.eagle3_settings(), self.target, path, self.drafter.steps, engine=engine,
                                          tag="matrix-" + tag, **over)
-                self._accept[key] = measure_once(self.s, self.pool, cfg, self.drafter.eval_prompts,
+                self._accept[key] = measure_once(self.s.eagle3_settings(), self.pool, cfg, self.drafter.eval_prompts,
                                                  f"matrix-{tag}-{engine}", exclusive=self.kind(engine) != "reference")
             r = self._accept[key]
             log(f"matrix: {tag} served by {engine}: accept length {r.accept_length:.3f}, per position "
