@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,10 @@ from .ab.config import ABConfigError
 from .baselines import BaselineError, BaselineStore
 from .endpoint import Endpoint
 from .machine import gpu_info, hardware_key
+from .missing import MissingPolicy
 from .options import OPTION_BOUNDS, _opt
 from .profiles import GateSpec, Profile, ProfileError, find_profile, load_profile
+from .sections import Eagle3Section
 
 
 @dataclass
@@ -66,6 +69,23 @@ class PerfSession:
         return GateContext(store=self.store, hardware=self.hardware, report_dir=self.report_dir, update=self.update,
                            gate=self.profile.gate, ab_base=self.ab.describe() if self.ab else None)
 
+    def missing_policy(self) -> MissingPolicy:
+        """What the skip-or-fail rule (:mod:`kimi_perf.missing`) reads of this session."""
+        return MissingPolicy.of(self.config)
+
+    def server_settings(self) -> ServerSettings:
+        """What the engine servers (``kimi_perf.suite.servers``) need of the session, and nothing else."""
+        return ServerSettings(profile_name=self.profile.name, profile_path=self.profile.path,
+                              engines=self.profile.engines, engine_pythons=dict(self.engine_pythons),
+                              server_timeout_s=self.server_timeout_s, allow_remote_bind=self.allow_remote_bind,
+                              log_dir=self.report_dir / "logs", policy=self.missing_policy())
+
+    def eagle3_settings(self) -> Eagle3Settings:
+        """What the EAGLE-3 drafter and A/B (``kimi_perf.suite.drafters``) need of the session."""
+        return Eagle3Settings(servers=self.server_settings(), eagle3=self.profile.eagle3,
+                              alignment_engines=self.profile.alignment.engines, repeats=self.repeats,
+                              drafter_path=self.drafter_path, train_drafter=self.train_drafter)
+
 
 @dataclass(frozen=True)
 class GateContext:
@@ -83,6 +103,38 @@ class GateContext:
     update: bool
     gate: GateSpec
     ab_base: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What the server pool and ``engine_config`` (:mod:`kimi_perf.suite.servers`) read: the profile's
+    engine entries (and its name and path, for messages), the engine interpreters, the launch timeout,
+    whether a non-loopback bind is allowed, where server logs go, and the skip-or-fail policy for an
+    engine environment or a server that is not there. Built by :meth:`PerfSession.server_settings`."""
+
+    profile_name: str
+    profile_path: Path
+    engines: Mapping[str, Mapping[str, Any]]
+    engine_pythons: Mapping[str, str]
+    server_timeout_s: float
+    allow_remote_bind: bool = False
+    log_dir: Path = Path("logs")
+    policy: MissingPolicy = MissingPolicy()
+
+
+@dataclass(frozen=True)
+class Eagle3Settings:
+    """What the EAGLE-3 drafter and its A/B (:mod:`kimi_perf.suite.drafters`) read: the servers'
+    settings, the profile's ``eagle3`` section (None: the profile has none, the tests skip), the
+    ``alignment.engines`` whose SGLang servers also return hidden states, the repeats, and the
+    ``--perf-drafter`` / ``--perf-train-drafter`` options. Built by :meth:`PerfSession.eagle3_settings`."""
+
+    servers: ServerSettings
+    eagle3: Eagle3Section | None
+    alignment_engines: tuple[str, ...]
+    repeats: int
+    drafter_path: str | None = None
+    train_drafter: bool = False
 
 
 SESSION_KEY = pytest.StashKey[PerfSession]()

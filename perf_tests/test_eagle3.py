@@ -49,7 +49,7 @@ pytestmark = [pytest.mark.perf, pytest.mark.eagle]
 
 
 def _eval(s):
-    return eval_settings(s)
+    return eval_settings(s.eagle3_settings())
 
 
 def _engine(perf_session):
@@ -183,8 +183,8 @@ def test_lossless_in_fp32(eagle3_drafter, server_pool, perf_session, target_mode
     w = Workload(name="lossless", dataset="mtbench", input_len=max(map(len, prompts)), output_len=48,
                  num_prompts=len(prompts), concurrency=4, warmup=0, ignore_eos=True)
     texts = {}
-    for name, cfg in (("plain", engine_config(perf_session, "reference", target_model, dtype="float32")),
-                      ("spec", spec_engine_config(perf_session, target_model, eagle3_drafter.path,
+    for name, cfg in (("plain", engine_config(perf_session.server_settings(), "reference", target_model, dtype="float32")),
+                      ("spec", spec_engine_config(perf_session.eagle3_settings(), target_model, eagle3_drafter.path,
                                                   eagle3_drafter.steps, dtype="float32"))):
         srv = server_pool.get(cfg)
         res = run_workload(srv.base_url, srv.model, prompts, w)
@@ -200,8 +200,6 @@ def _stored_and_live(eagle3_drafter, alignment, dtype="bfloat16", n=2):
     from kimi_perf.alignment.extract import server_hidden_states, stored_hidden_states
     from kimi_perf.eagle3.features import FeatureStore
 
-    _reference_selected(alignment.s)
-
     if eagle3_drafter.feature_dir is None:
         pytest.skip("--perf-drafter was given: no stored features of this session to compare")
     ids = [i for i in eagle3_drafter.heldout_ids if i in set(FeatureStore(eagle3_drafter.feature_dir).sample_ids)][:n]
@@ -212,10 +210,11 @@ def _stored_and_live(eagle3_drafter, alignment, dtype="bfloat16", n=2):
 
 
 @pytest.mark.alignment
-def test_stored_features_match_inference(eagle3_drafter, alignment, perf_gate, target_model):
+def test_stored_features_match_inference(eagle3_drafter, alignment, perf_gate, target_model, perf_session):
     """The drafter's training shards (with their manifest provenance) vs the serving path, same tokens."""
     from kimi_perf.alignment.diagnose import check_layers
 
+    _reference_selected(perf_session)
     stored, live = _stored_and_live(eagle3_drafter, alignment)
     layers = [*json.loads((eagle3_drafter.feature_dir / "manifest.json").read_text())["layers"], "final"]
     # each layer on its own threshold (the loosest layer's would blind the early ones)
@@ -278,7 +277,7 @@ def test_layer_mismatch_collapses_acceptance_and_is_named(eagle3_runs, eagle3_dr
     # the reference engine's own A/B: the mismatched drafter is served by the reference engine below
     good = _ab(request, eagle3_runs, "reference").median_accept_length()
     prompts = [list(p) for p in eagle3_drafter.eval_prompts]
-    scfg = spec_engine_config(perf_session, target_model, bad, eagle3_drafter.steps, max_running_requests=4)
+    scfg = spec_engine_config(perf_session.eagle3_settings(), target_model, bad, eagle3_drafter.steps, max_running_requests=4)
     srv = server_pool.get(scfg)
     res = measure_generation(srv.base_url, srv.model, prompts, max_new, name="eagle3-mismatch")
     server_pool.stop(scfg)
@@ -310,7 +309,7 @@ def test_acceptance_in_vllm(eagle3_drafter, eagle3_runs, perf_session, target_mo
         pytest.skip("vllm is in eagle3.engines: measured by test_acceptance[vllm] and test_speedup_vs_no_spec[vllm]")
     from kimi_perf.engines.base import SpecConfig
 
-    cfg = engine_config(perf_session, "vllm", target_model,
+    cfg = engine_config(perf_session.server_settings(), "vllm", target_model,
                         spec=SpecConfig(draft_model_path=str(eagle3_drafter.path), steps=eagle3_drafter.steps))
     max_new, _, _ = _eval(perf_session)
     srv = server_pool.get(cfg, exclusive=True)
@@ -357,7 +356,7 @@ def test_acceptance_of_the_endpoint(perf_session, perf_engine_name, prompt_facto
     srv = request.getfixturevalue("perf_server")
     how = speculation_evidence(srv.base_url, srv.headers)
     if how is None:
-        missing(perf_session, f"--perf-url {ep.url}: the endpoint reports no speculative decoding (no "
+        missing(perf_session.eagle3_settings(), f"--perf-url {ep.url}: the endpoint reports no speculative decoding (no "
                 "vllm:spec_decode_* counters on /metrics, no speculative_algorithm in /server_info), so there "
                 "is no EAGLE-3 acceptance to read; serve it with a drafter (vLLM --speculative-config, SGLang "
                 "--speculative-algorithm EAGLE3) or deselect with -m 'not eagle'", engine_kind=srv.kind)

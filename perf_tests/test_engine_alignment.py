@@ -191,7 +191,7 @@ def test_engine_alignment_vs_hf(align_engine, alignment, perf_session, perf_gate
     engine generated, at the drafter's aux layers (SGLang's id rule applied), plus the last pre-norm
     layer and the final-norm output where the engine offers them; every layer on its own threshold."""
     s, name = perf_session, align_engine
-    kind = require_engine(s, name)
+    kind = require_engine(s.eagle3_settings(), name)
     dtype = _dtype(s, name)
     st = alignment.st
     n = st.num_layers
@@ -267,7 +267,7 @@ def test_vllm_decode_path_capture(decode_engine, alignment, perf_session):
     from kimi_perf.alignment.diagnose import check_alignment
 
     s, name = perf_session, decode_engine
-    require_engine(s, name)
+    require_engine(s.eagle3_settings(), name)
     dtype = _dtype(s, name)
     st = alignment.st
     layers = [*st.aux, st.num_layers]
@@ -306,7 +306,7 @@ def test_sglang_planted_layer_offset_is_named(planted_engine, alignment, perf_se
     from kimi_perf.plugin import PerfWarning
 
     s, name = perf_session, planted_engine
-    require_engine(s, name)
+    require_engine(s.eagle3_settings(), name)
     runs = request.getfixturevalue("eagle3_runs")
     dtype = _dtype(s, name)
     st = alignment.st
@@ -321,8 +321,8 @@ def test_sglang_planted_layer_offset_is_named(planted_engine, alignment, perf_se
     bad = tmp_path_factory.mktemp("drafter-planted-offset") / "drafter"
     shutil.copytree(runs.drafter.path, bad)
     (bad / "config.json").write_text(json.dumps(plant.draft_config(src_cfg), indent=1))
-    max_new, _, _ = eval_settings(s)
-    cfg = planted_sglang_config(s, target_model, name, bad, runs.drafter.steps)
+    max_new, _, _ = eval_settings(s.eagle3_settings())
+    cfg = planted_sglang_config(s.eagle3_settings(), target_model, name, bad, runs.drafter.steps)
     srv = server_pool.get(cfg)
     try:
         cap = alignment.capture(cfg, srv, stop=False)

@@ -27,7 +27,7 @@ def test_nccl_preset_ab(perf_session, target_model, server_pool, prompt_factory,
     base = nc.reference
     eng = nc.engine or perf_session.engines[0]
     w = perf_session.profile.throughput.sweep_workload(perf_nccl_concurrency)
-    cfgs = {p: engine_config(perf_session, eng, target_model, nccl_preset=p) for p in (base, perf_nccl_preset)}
+    cfgs = {p: engine_config(perf_session.server_settings(), eng, target_model, nccl_preset=p) for p in (base, perf_nccl_preset)}
     tput: dict[str, list[float]] = {p: [] for p in cfgs}
     for r in range(perf_session.repeats):
         for p, cfg in cfgs.items():  # interleaved: drift in the machine hits both presets alike

@@ -211,7 +211,7 @@ def test_prefix_caching_ttft(perf_session, perf_engine_name, server_pool, prompt
     if kind == "reference":
         pytest.skip("the reference engine has no prefix cache (every request prefills its whole prompt)")
     over = {"enable_prefix_caching": True} if kind == "vllm" else {"disable_radix_cache": False}
-    cfg = engine_config(perf_session, perf_engine_name, target_model, tag="prefix-cache", **over)
+    cfg = engine_config(perf_session.server_settings(), perf_engine_name, target_model, tag="prefix-cache", **over)
     srv = server_pool.get(cfg, exclusive=True)
     c = max(tp.concurrency)
     base, shared = prefix_workloads(tp, c)

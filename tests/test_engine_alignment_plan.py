@@ -30,9 +30,11 @@ from kimi_perf.alignment.plan import (
     selected_engines,
     serving_dtype,
 )
+from kimi_perf.missing import MissingPolicy
 from kimi_perf.plugin import SESSION_KEY
 from kimi_perf.profiles import ProfileError, load_profile
 from kimi_perf.sections import SectionError, parse_alignment, parse_eagle3
+from kimi_perf.session import Eagle3Settings, ServerSettings
 from kimi_perf.suite.alignment import AlignmentContext, AlignmentSettings
 from kimi_perf.suite.drafters import (
     DrafterHandle,
@@ -68,8 +70,24 @@ def session(profile: Any = H200, engines: tuple[str, ...] | None = None, *, expl
                         engine_pythons={"sglang": "/venv-sglang/bin/python", "vllm": "/venv-vllm/bin/python"}
                         if pythons is None else pythons, server_timeout_s=600.0, allow_remote_bind=False,
                         repeats=2, drafter_path=None)
+    s.missing_policy = lambda: MissingPolicy(profile.name if explicit else None)
+    s.server_settings = lambda: settings(s)
+    s.eagle3_settings = lambda: eagle3(s)
     cfg.stash[SESSION_KEY] = s
     return s
+
+
+def settings(s: Any) -> ServerSettings:
+    """What ``PerfSession.server_settings`` builds, for the fake session above."""
+    return ServerSettings(profile_name=s.profile.name, profile_path=s.profile.path, engines=s.profile.engines,
+                          engine_pythons=s.engine_pythons, server_timeout_s=s.server_timeout_s,
+                          allow_remote_bind=s.allow_remote_bind, policy=s.missing_policy())
+
+
+def eagle3(s: Any) -> Eagle3Settings:
+    """What ``PerfSession.eagle3_settings`` builds, for the fake session above."""
+    return Eagle3Settings(servers=settings(s), eagle3=s.profile.eagle3, alignment_engines=s.profile.alignment.engines,
+                          repeats=s.repeats, drafter_path=s.drafter_path)
 
 
 TARGET = TargetModel("SmolLM2-135M-Instruct", Path("/models/smollm2"), "embedded", "fp")
@@ -184,7 +202,7 @@ def test_alignment_tests_are_parametrized_and_the_planted_one_runs_on_sglang_onl
 
 def test_sglang_ab_servers_return_hidden_states_and_are_the_ones_alignment_asks_for():
     s = session()
-    cfgs = eagle3_server_configs(s, TARGET, "sglang", Path("/drafters/d"), 3)
+    cfgs = eagle3_server_configs(eagle3(s), TARGET, "sglang", Path("/drafters/d"), 3)
     plain, spec = cfgs["plain"], cfgs["spec"]
     assert (plain.name, spec.name) == ("sglang-hs", "sglang-spec-hs")
     assert plain.return_hidden_states and spec.return_hidden_states and plain.spec is None
@@ -203,22 +221,22 @@ def test_sglang_ab_servers_return_hidden_states_and_are_the_ones_alignment_asks_
         i += 1
     assert rest == plain.argv(30000)
     # a second build is equal, so the ServerPool hands out the running server instead of a twin
-    assert eagle3_server_configs(s, TARGET, "sglang", Path("/drafters/d"), 3) == cfgs
-    planted = planted_sglang_config(s, TARGET, "sglang", Path("/tmp/planted"), 3)
+    assert eagle3_server_configs(eagle3(s), TARGET, "sglang", Path("/drafters/d"), 3) == cfgs
+    planted = planted_sglang_config(eagle3(s), TARGET, "sglang", Path("/tmp/planted"), 3)
     assert planted.name == "sglang-spec-planted-hs" and planted.return_hidden_states
     assert dataclasses.replace(planted, name=spec.name, spec=spec.spec) == spec  # same flags otherwise
 
 
 def test_vllm_plain_side_is_the_throughput_config_and_sglang_without_alignment_is_unchanged():
     s = session()
-    cfgs = eagle3_server_configs(s, TARGET, "vllm", Path("/d"), 3)
-    assert cfgs["plain"] == engine_config(s, "vllm", TARGET)  # reused when the throughput server still runs
+    cfgs = eagle3_server_configs(eagle3(s), TARGET, "vllm", Path("/d"), 3)
+    assert cfgs["plain"] == engine_config(settings(s), "vllm", TARGET)  # reused when the throughput server still runs
     assert cfgs["spec"].name == "vllm-spec" and cfgs["spec"].spec is not None
-    ref = eagle3_server_configs(s, TARGET, "reference", Path("/d"), 3)
+    ref = eagle3_server_configs(eagle3(s), TARGET, "reference", Path("/d"), 3)
     assert ref["plain"].max_running_requests == 4 == ref["spec"].max_running_requests
     no_align = dataclasses.replace(H200, alignment=dataclasses.replace(H200.alignment, engines=("reference",)))
-    sg = eagle3_server_configs(session(no_align), TARGET, "sglang", Path("/d"), 3)
-    assert not sg["plain"].return_hidden_states and sg["plain"] == engine_config(session(no_align), "sglang", TARGET)
+    sg = eagle3_server_configs(eagle3(session(no_align)), TARGET, "sglang", Path("/d"), 3)
+    assert not sg["plain"].return_hidden_states and sg["plain"] == engine_config(settings(session(no_align)), "sglang", TARGET)
 
 
 class FakePool:
@@ -249,7 +267,7 @@ def test_ab_launches_each_server_once_captures_while_up_and_is_reused(monkeypatc
     monkeypatch.setattr(ev, "measure_generation", fake_measure)
     pool = FakePool()
     drafter = DrafterHandle(Path("/drafters/d"), 3, ((1, 2, 3),), None, (), {})
-    runs = Eagle3Runs(session(), TARGET, pool, drafter)  # type: ignore[arg-type]
+    runs = Eagle3Runs(eagle3(session()), TARGET, pool, drafter)  # type: ignore[arg-type]
     seen: list[list[str]] = []
     ab = runs.ab("sglang", while_up=lambda servers: seen.append(sorted(s.name for s in servers.values())))
     assert pool.launches == ["sglang-hs", "sglang-spec-hs"] and not pool.running
@@ -363,8 +381,9 @@ def test_alignment_capture_names_columns_and_a_failed_prefetch_is_reported_not_r
                            norm_tol_min=0.01, layers=(2, 15, 27, 30, "final"), served=(), num_layers=30, hidden=4,
                            aux=(2, 15, 27), engines=("reference", "sglang", "vllm"))
     s = session()
-    cfgs = eagle3_server_configs(s, TARGET, "sglang", tmp_path / "drafter", 3)
-    ctx = AlignmentContext(s, TARGET, FakePool(), st)  # type: ignore[arg-type]
+    cfgs = eagle3_server_configs(eagle3(s), TARGET, "sglang", tmp_path / "drafter", 3)
+    ctx = AlignmentContext(TARGET, FakePool(), st, servers=settings(s), store=None,  # type: ignore[arg-type]
+                           hardware="cpu")
     ctx._prompts = [[1, 3923, 374, 279, 6864]]
     with serve(handle) as url:
         srv = SimpleNamespace(base_url=url, version="0.5.17", config=cfgs["spec"])
@@ -383,16 +402,16 @@ def test_missing_piece_skips_but_fails_under_ci_or_an_explicit_profile(monkeypat
     monkeypatch.delenv("CI", raising=False)
     monkeypatch.delenv("KIMI_PERF_SKIP_SGLANG", raising=False)
     with pytest.raises(pytest.skip.Exception, match="pass --perf-sglang-python"):
-        missing(session(), "engine sglang needs its own environment: pass --perf-sglang-python PATH",
+        missing(eagle3(session()), "engine sglang needs its own environment: pass --perf-sglang-python PATH",
                 engine_kind="sglang")
     with pytest.raises(pytest.fail.Exception, match="--perf-profile h200-engines was named explicitly"):
-        missing(session(explicit=True), "no drafter: pass --perf-drafter PATH")
+        missing(eagle3(session(explicit=True)), "no drafter: pass --perf-drafter PATH")
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match="a failure, not a skip: CI=true"):
-        missing(session(), "no drafter: pass --perf-drafter PATH")
+        missing(eagle3(session()), "no drafter: pass --perf-drafter PATH")
     monkeypatch.setenv("KIMI_PERF_SKIP_SGLANG", "1")  # the README's explicit opt-out keeps it a skip
     with pytest.raises(pytest.skip.Exception, match=r"KIMI_PERF_SKIP_SGLANG=1"):
-        missing(session(explicit=True), "engine sglang needs its own environment", engine_kind="sglang")
+        missing(eagle3(session(explicit=True)), "engine sglang needs its own environment", engine_kind="sglang")
 
 
 def test_a_missing_engine_environment_for_a_server_follows_the_same_policy(monkeypatch):
@@ -401,10 +420,10 @@ def test_a_missing_engine_environment_for_a_server_follows_the_same_policy(monke
     monkeypatch.delenv("CI", raising=False)
     monkeypatch.delenv("KIMI_PERF_SKIP_VLLM", raising=False)
     with pytest.raises(pytest.skip.Exception, match="scripts/setup.sh --full makes .venv-vllm"):
-        engine_config(session(pythons={}), "vllm", TARGET)
+        engine_config(settings(session(pythons={})), "vllm", TARGET)
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match="a failure, not a skip: CI=true"):
-        engine_config(session(pythons={}), "vllm", TARGET)
+        engine_config(settings(session(pythons={})), "vllm", TARGET)
     monkeypatch.setenv("KIMI_PERF_SKIP_VLLM", "1")
     with pytest.raises(pytest.skip.Exception, match="KIMI_PERF_SKIP_VLLM=1"):
-        engine_config(session(pythons={}), "vllm", TARGET)
+        engine_config(settings(session(pythons={})), "vllm", TARGET)

@@ -243,7 +243,7 @@ def test_the_fixture_rule_checker_sees_classes_and_helpers():
 
 
 def test_the_suite_sits_below_the_plugin():
-    """kimi_perf.suite (the objects behind the fixtures) imports PerfSession from kimi_perf.session,
+    """kimi_perf.suite (the objects behind the fixtures) takes its specs from kimi_perf.session,
     not from the hook module, and the plugin does not import the suite: the suite's services are not
     part of what the pytest11 entry point loads."""
     g = import_graph()
@@ -253,6 +253,18 @@ def test_the_suite_sits_below_the_plugin():
     down = [e for m in ("kimi_perf.plugin", "kimi_perf.session", "kimi_perf.recorder")
             for e in _package_edges(g, m, "kimi_perf.suite")]
     assert not down, down
+
+
+def test_the_suites_services_take_typed_specs_not_the_session():
+    """kimi_perf.suite's classes and helpers take what they read (ServerSettings, Eagle3Settings, profile
+    sections, a MissingPolicy), never the whole PerfSession: handed all of it, a service can come to
+    depend on any of its 20 mutable fields (issue 27 item 2; PerfGate's GateContext is the model)."""
+    mods = sorted((PKG / "suite").glob("*.py"))
+    assert len(mods) > 5, "kimi_perf/suite is not read"
+    bad = sorted({f"{p.name}:{node.lineno}" for p in mods for node in ast.walk(ast.parse(p.read_text()))
+                  if (isinstance(node, ast.ImportFrom) and any(a.name == "PerfSession" for a in node.names))
+                  or (isinstance(node, ast.Attribute) and node.attr == "PerfSession")})
+    assert not bad, f"take a typed spec (kimi_perf.session.ServerSettings, ...) instead of PerfSession: {bad}"
 
 
 def test_tests_take_the_suites_objects_from_the_library_not_from_fixtures():

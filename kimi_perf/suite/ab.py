@@ -13,15 +13,16 @@ from typing import Any
 
 import pytest
 
-from kimi_perf.ab.base import base_engine_config
-from kimi_perf.ab.config import ABConfigError
+from kimi_perf.ab.base import ABBase, base_engine_config
+from kimi_perf.ab.config import ABConfigError, ABSpec
 from kimi_perf.ab.runner import ABOutcome, ABSideError, Probe, run_ab
 from kimi_perf.bench import RunningServer
 from kimi_perf.engines.base import EngineConfig
 from kimi_perf.load.workload import Workload
 from kimi_perf.models.embedded import cache_root
+from kimi_perf.profiles import ThroughputSpec
 from kimi_perf.recorder import PerfGate
-from kimi_perf.session import PerfSession
+from kimi_perf.session import ServerSettings
 
 from .models import TargetModel
 from .servers import ServerPool, engine_config
@@ -53,23 +54,26 @@ class PoolSide:
 
 
 class PerfAB:
-    """What the ab-marked tests use: side configs, probes, and a run that records even a failure."""
+    """What the ab-marked tests use: side configs, probes, and a run that records even a failure.
 
-    def __init__(self, s: PerfSession, pool: ServerPool, target: TargetModel, prompts: PromptFactory) -> None:
-        assert s.ab is not None
-        self.s, self.pool, self.target, self.prompts = s, pool, target, prompts
-        self.base = s.ab
+    Reads the ``--perf-ab`` ``base``, the servers' settings, the profile's ``ab`` section (``spec``) and
+    its ``throughput`` section (the probes' workloads; None: the throughput probes skip)."""
+
+    def __init__(self, pool: ServerPool, target: TargetModel, prompts: PromptFactory, *, base: ABBase,
+                 servers: ServerSettings, spec: ABSpec, throughput: ThroughputSpec | None) -> None:
+        self.pool, self.target, self.prompts = pool, target, prompts
+        self.base, self.servers, self.spec, self.throughput = base, servers, spec, throughput
 
     def configs(self, engine: str, **overrides: Any) -> tuple[EngineConfig, EngineConfig]:
         """(base, candidate) engine configs for the profile's ``engine``."""
-        cand = engine_config(self.s, engine, self.target, **overrides)
+        cand = engine_config(self.servers, engine, self.target, **overrides)
         cand = replace(cand, name=f"{engine}-candidate")
         if self.base.kind == "git" and cand.kind != "reference":
             pytest.skip(f"--perf-ab {self.base.spec} compares this repository's code; {engine} ({cand.kind}) does not "
                         "run it. Compare engine releases with a variant (\"interpreter\": \"cli\")")
 
         def build(name: str, **settings: Any) -> EngineConfig:
-            return engine_config(self.s, name, self.target, **{**overrides, **settings})
+            return engine_config(self.servers, name, self.target, **{**overrides, **settings})
 
         try:
             base = base_engine_config(cand, self.base, build=build, cache_dir=cache_root())
@@ -81,10 +85,10 @@ class PerfAB:
     def throughput_probes(self) -> list[Probe]:
         """The headline throughput probes: single stream and the top concurrency of the sweep, as short
         repeats (the profile's ``ab.single_stream`` / ``ab.top`` overrides)."""
-        tp = self.s.profile.throughput
+        tp = self.throughput
         if tp is None:
-            pytest.skip(f"profile {self.s.profile.name} defines no throughput section to A/B")
-        ab = self.s.profile.ab
+            pytest.skip(f"profile {self.servers.profile_name} defines no throughput section to A/B")
+        ab = self.spec
         top_c = ab.top_concurrency or max(tp.concurrency)
         single = replace(tp.single_stream, **dict(ab.single_stream))
         top = replace(tp.sweep_workload(top_c), **dict(ab.top))
@@ -107,7 +111,7 @@ class PerfAB:
         sides = (PoolSide("base", self.base.label, self.pool, base_cfg),
                  PoolSide("candidate", f"{engine} (this checkout)", self.pool, cand_cfg))
         try:
-            out = run_ab(sides[0], sides[1], probes, self.s.profile.ab, self._prompts)
+            out = run_ab(sides[0], sides[1], probes, self.spec, self._prompts)
         except ABSideError as e:
             gate.check_ab(e.outcome, scenario=scenario, engine=engine, model=self.target.name,
                           extra={"error": str(e)}, fail=False)

@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kimi_perf.baselines import BaselineStore
 from kimi_perf.progress import log
 from kimi_perf.sections import AlignmentSection
-from kimi_perf.session import PerfSession
+from kimi_perf.session import ServerSettings
 
 from .models import TargetModel
 from .servers import ServerPool, engine_config
@@ -56,23 +57,24 @@ class AlignmentSettings:
     architectures: tuple[str, ...] = ()  # the target's config.json architectures (SGLang's id rule)
 
 
-def build_alignment_settings(s: PerfSession, target: TargetModel) -> AlignmentSettings:
-    """The profile's ``alignment`` section for ``target``: the layers under test (the drafter's aux
-    layers, the last one pre-norm, the final output) and the ones the server must return."""
+def build_alignment_settings(a: AlignmentSection, target: TargetModel, drafter_path: str | None = None
+                             ) -> AlignmentSettings:
+    """The profile's ``alignment`` section ``a`` for ``target``: the layers under test (the drafter's aux
+    layers, the last one pre-norm, the final output) and the ones the server must return.
+    ``drafter_path`` is ``--perf-drafter`` (its aux layers are the ones under test)."""
     from kimi_perf.alignment.plan import drafter_aux_layers
 
     cfg = json.loads((target.path / "config.json").read_text())
     n, h = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
-    a = s.profile.alignment  # typed, validated at load (kimi_perf.sections.AlignmentSection)
     eagle: tuple[int, ...] = (2, n // 2, n - 3)
-    if s.drafter_path:
+    if drafter_path:
         # the layers the served drafter consumes are the ones worth checking (the CPU recipe's are the
         # default; a drafter trained on others names them in its kimi_perf block)
         try:
-            dc = json.loads((Path(s.drafter_path) / "config.json").read_text())
+            dc = json.loads((Path(drafter_path) / "config.json").read_text())
             eagle = drafter_aux_layers(dc, n)
         except (OSError, ValueError) as ex:
-            raise pytest.UsageError(f"--perf-drafter {s.drafter_path}: {ex}") from None
+            raise pytest.UsageError(f"--perf-drafter {drafter_path}: {ex}") from None
     served = sorted({k + d for k in eagle for d in (-1, 0, 1)} | {n - 1, n})
     return AlignmentSettings(
         dtypes=a.dtypes, prompts=a.prompts, max_new_tokens=a.max_new_tokens, margin=a.margin, min_gap=a.min_gap,
@@ -108,10 +110,14 @@ def wants_capture(session: pytest.Session, argname: str, engine: str) -> bool:
 
 
 class AlignmentContext:
-    """Per-session cache of the expensive pieces, created on first use."""
+    """Per-session cache of the expensive pieces, created on first use. Besides the model, the pool and
+    the settings it reads the engine settings (``servers``) and, for stored noise floors, the baseline
+    ``store`` and the ``hardware`` key."""
 
-    def __init__(self, s: PerfSession, target: TargetModel, pool: ServerPool, st: AlignmentSettings) -> None:
-        self.s, self.target, self.pool, self.st = s, target, pool, st
+    def __init__(self, target: TargetModel, pool: ServerPool, st: AlignmentSettings, *, servers: ServerSettings,
+                 store: BaselineStore, hardware: str) -> None:
+        self.target, self.pool, self.st = target, pool, st
+        self.servers, self.store, self.hardware = servers, store, hardware
         self._hf: dict[str, Any] = {}
         self._inf: dict[str, Any] = {}
         self._floor: dict[str, Any] = {}
@@ -146,7 +152,7 @@ class AlignmentContext:
         return self._hf[dtype]
 
     def server_config(self, dtype: str) -> Any:
-        return engine_config(self.s, "reference", self.target, dtype=dtype, aux_hidden_states=True,
+        return engine_config(self.servers, "reference", self.target, dtype=dtype, aux_hidden_states=True,
                              aux_layer_ids=tuple(self.st.served), max_running_requests=8)
 
     def server(self, dtype: str) -> Any:
@@ -261,7 +267,7 @@ class AlignmentContext:
         key = (engine, tuple(layers))
         if key not in self._extract_dirs:
             self._extract_dirs[key] = tempfile.mkdtemp(prefix="kimi-perf-vllm-hs-")
-        return engine_config(self.s, engine, self.target, extract_hidden_layers=tuple(layers),
+        return engine_config(self.servers, engine, self.target, extract_hidden_layers=tuple(layers),
                              extract_dir=self._extract_dirs[key])
 
     def vllm_capture(self, engine: str, layers: tuple[int, ...]) -> EngineCapture:
@@ -296,7 +302,7 @@ class AlignmentContext:
         from kimi_perf.alignment.plan import engine_threshold
 
         thr, tol, src = self.threshold(dtype, layer)
-        kind = str(self.s.profile.engines[engine]["kind"])
+        kind = str(self.servers.engines[engine]["kind"])
         t2, tol2 = engine_threshold(thr, tol, kind, self.st.engine_noise_factor)
         if kind != "reference":
             src = (f"{src}, cosine distance and norm tolerance x{self.st.engine_noise_factor:g} for another "
@@ -310,10 +316,10 @@ class AlignmentContext:
         from kimi_perf.baselines import BaselineKey
 
         key = BaselineKey(scenario="alignment_noise_floor", engine="reference", model=self.target.name,
-                          hardware=self.s.hardware, workload=f"{dtype}:layer-{layer}", concurrency=1)
-        stored = self.s.store.lookup_samples(key, "cosine_min")
+                          hardware=self.hardware, workload=f"{dtype}:layer-{layer}", concurrency=1)
+        stored = self.store.lookup_samples(key, "cosine_min")
         if stored:
-            floor, src = float(np.min(stored)), f"stored noise floor {self.s.store.path.name}"
+            floor, src = float(np.min(stored)), f"stored noise floor {self.store.path.name}"
         else:
             floor, src = self.noise_floor(dtype)[layer]["cosine_min"], "noise floor measured in this run"
         dev = self.noise_floor(dtype)[layer]["norm_dev"] if not stored else 0.0

@@ -36,7 +36,7 @@ from kimi_perf.missing import missing as _missing
 from kimi_perf.missing import strict_reason
 from kimi_perf.progress import log
 from kimi_perf.sections import Eagle3Section
-from kimi_perf.session import PerfSession
+from kimi_perf.session import Eagle3Settings
 
 from .models import TargetModel
 from .servers import ServerPool, engine_config, require_engine_python
@@ -52,36 +52,36 @@ class DrafterHandle:
     report: dict[str, Any]
 
 
-def _eagle_section(s: PerfSession) -> Eagle3Section:
+def _eagle_section(s: Eagle3Settings) -> Eagle3Section:
     """The profile's eagle3 section (validated when the profile loaded), or a skip without one."""
-    if s.profile.eagle3 is None:
-        pytest.skip(f"profile {s.profile.name} has no eagle3 section")
-    return s.profile.eagle3
+    if s.eagle3 is None:
+        pytest.skip(f"profile {s.servers.profile_name} has no eagle3 section")
+    return s.eagle3
 
 
-def strict_missing(s: PerfSession) -> str | None:
+def strict_missing(s: Eagle3Settings) -> str | None:
     """Why a missing piece fails instead of skipping in this session (None: it skips)."""
-    return strict_reason(s.config)
+    return strict_reason(s.servers.policy)
 
 
-def missing(s: PerfSession, reason: str, *, engine_kind: str | None = None) -> NoReturn:
+def missing(s: Eagle3Settings, reason: str, *, engine_kind: str | None = None) -> NoReturn:
     """:func:`kimi_perf.missing.missing` for this session: skip with the fix, or fail under ``CI=true``
     or an explicitly named profile."""
-    _missing(s.config, reason, engine_kind=engine_kind)
+    _missing(s.servers.policy, reason, engine_kind=engine_kind)
 
 
-def require_engine(s: PerfSession, name: str) -> str:
+def require_engine(s: Eagle3Settings, name: str) -> str:
     """The engine's kind, after checking its environment is there (:func:`missing` otherwise)."""
-    raw = s.profile.engines.get(name)
+    raw = s.servers.engines.get(name)
     if raw is None:
-        raise pytest.UsageError(f"profile {s.profile.path} defines no engine {name!r} (engines: "
-                                f"{', '.join(s.profile.engines)})")
+        raise pytest.UsageError(f"profile {s.servers.profile_path} defines no engine {name!r} (engines: "
+                                f"{', '.join(s.servers.engines)})")
     kind = str(raw["kind"])
-    require_engine_python(s, name, kind)
+    require_engine_python(s.servers, name, kind)
     return kind
 
 
-def session_drafter(s: PerfSession, target: TargetModel, pool: ServerPool) -> DrafterHandle:
+def session_drafter(s: Eagle3Settings, target: TargetModel, pool: ServerPool) -> DrafterHandle:
     """The profile's EAGLE-3 drafter: loaded from --perf-drafter, served from the shipped bundle, or
     trained (cached) on this target; what the ``eagle3_drafter`` session fixture hands out."""
     from transformers import AutoTokenizer
@@ -108,12 +108,12 @@ def session_drafter(s: PerfSession, target: TargetModel, pool: ServerPool) -> Dr
     from kimi_perf.eagle3.pipeline import build_drafter, heldout_prompts
 
     if e.recipe is None:
-        missing(s, f"profile {s.profile.name} has no eagle3.recipe to train a drafter: pass "
+        missing(s, f"profile {s.servers.profile_name} has no eagle3.recipe to train a drafter: pass "
                 "--perf-drafter PATH (an EAGLE-3 checkpoint, e.g. one the embedded-cpu recipe trained)")
     try:
         recipe = e.drafter_recipe()
     except (TypeError, ValueError) as ex:
-        raise pytest.UsageError(f"profile {s.profile.path}: eagle3.recipe: {ex}") from None
+        raise pytest.UsageError(f"profile {s.servers.profile_path}: eagle3.recipe: {ex}") from None
     log(f"eagle3: drafter recipe data {recipe.data.digest()}, features {recipe.features.digest()}, "
         f"train {recipe.train.digest()}")
     from kimi_perf.eagle3.shipped import ShippedDrafterError, compare_with_shipped, find_shipped, install
@@ -138,7 +138,7 @@ def session_drafter(s: PerfSession, target: TargetModel, pool: ServerPool) -> Dr
             build_items(recipe.data)  # the recipe's prompt sources are on disk (setup fetches them)
         except FileNotFoundError as ex:
             missing(s, f"the drafter recipe's prompt data is missing: {ex}")
-        gen_cfg = engine_config(s, "reference", target,
+        gen_cfg = engine_config(s.servers, "reference", target,
                                 max_running_requests=max(recipe.data.concurrency, 1))
         # the generation server starts only if samples are missing (a cached drafter needs none)
         art = build_drafter(recipe, target.path, target.fingerprint,
@@ -157,45 +157,45 @@ def session_drafter(s: PerfSession, target: TargetModel, pool: ServerPool) -> Dr
                          art.report)
 
 
-def _check_prompt_count(s: PerfSession, have: int, want: int, where: str) -> None:
+def _check_prompt_count(s: Eagle3Settings, have: int, want: int, where: str) -> None:
     """The EAGLE-3 baseline key names ``eagle3.eval.prompts`` (kimi_perf.keys.eagle3_workload, the key
     the stored baselines are checked against); a run with fewer prompts would file its numbers under a
     workload it did not run, so it fails and says how to make the profile honest."""
     if have != want:
-        pytest.fail(f"profile {s.profile.path}: eagle3.eval.prompts is {want} but {where} has {have} prompts, "
+        pytest.fail(f"profile {s.servers.profile_path}: eagle3.eval.prompts is {want} but {where} has {have} prompts, "
                     f"so the baseline key would name prompts that were not run. Fix: set eagle3.eval.prompts to "
                     f"{have} (and re-key its stored eagle3 baselines)", pytrace=False)
 
 
-def spec_engine_config(s: PerfSession, target: TargetModel, drafter_path: Path, steps: int, *,
+def spec_engine_config(s: Eagle3Settings, target: TargetModel, drafter_path: Path, steps: int, *,
                        engine: str = "reference", **overrides: Any) -> Any:
     from kimi_perf.engines.base import SpecConfig
 
-    return engine_config(s, engine, target, spec=SpecConfig(draft_model_path=str(drafter_path), steps=steps),
+    return engine_config(s.servers, engine, target, spec=SpecConfig(draft_model_path=str(drafter_path), steps=steps),
                          **overrides)
 
 
-def eval_settings(s: PerfSession) -> tuple[int, float, float]:
+def eval_settings(s: Eagle3Settings) -> tuple[int, float, float]:
     """(max new tokens, minimum speedup, minimum accept length) of ``eagle3.eval``."""
     e = _eagle_section(s).eval
     return e.max_new_tokens, e.min_speedup, e.min_accept_length
 
 
-def serves_alignment(s: PerfSession, engine: str) -> bool:
+def serves_alignment(s: Eagle3Settings, engine: str) -> bool:
     """Whether ``engine``'s EAGLE-3 servers also answer ``return_hidden_states`` for the alignment
     tests: SGLang engines listed in ``alignment.engines`` (sglang 0.5.17 returns a served drafter's aux
     layers only that way, and the plain side must run with the same flags to be a fair no-spec
     baseline; SGLangConfig then adds --disable-radix-cache --chunked-prefill-size -1 to both)."""
-    if s.profile.engines[engine]["kind"] != "sglang":
+    if s.servers.engines[engine]["kind"] != "sglang":
         return False
-    return engine in s.profile.alignment.engines
+    return engine in s.alignment_engines
 
 
-def eagle3_server_configs(s: PerfSession, target: TargetModel, engine: str, drafter_path: Path,
+def eagle3_server_configs(s: Eagle3Settings, target: TargetModel, engine: str, drafter_path: Path,
                           steps: int) -> dict[str, Any]:
     """The A/B's {"plain": cfg, "spec": cfg} for ``engine``; every test that needs one of these servers
     builds it here, so the ServerPool hands out the running one instead of launching a twin."""
-    kind = s.profile.engines[engine]["kind"]
+    kind = s.servers.engines[engine]["kind"]
     over: dict[str, Any] = {}
     if kind == "reference":
         over["max_running_requests"] = 4
@@ -203,11 +203,11 @@ def eagle3_server_configs(s: PerfSession, target: TargetModel, engine: str, draf
     if serves_alignment(s, engine):
         over["return_hidden_states"] = True
         tags = ("hs", "spec-hs")
-    return {"plain": engine_config(s, engine, target, tag=tags[0], **over),
+    return {"plain": engine_config(s.servers, engine, target, tag=tags[0], **over),
             "spec": spec_engine_config(s, target, drafter_path, steps, engine=engine, tag=tags[1], **over)}
 
 
-def planted_sglang_config(s: PerfSession, target: TargetModel, engine: str, drafter_path: Path,
+def planted_sglang_config(s: Eagle3Settings, target: TargetModel, engine: str, drafter_path: Path,
                           steps: int) -> Any:
     """The planted-offset drafter copy served like the A/B's speculative side (same flags)."""
     return spec_engine_config(s, target, drafter_path, steps, engine=engine, tag="spec-planted-hs",
@@ -231,14 +231,14 @@ class ABResult:
 class Eagle3Runs:
     """Per-session, per-engine EAGLE-3 measurements of the session's drafter, each made once."""
 
-    def __init__(self, s: PerfSession, target: TargetModel, pool: ServerPool, drafter: DrafterHandle) -> None:
-        self.s, self.target, self.pool, self.drafter = s, target, pool, drafter
+    def __init__(self, s: Eagle3Settings, target: TargetModel, pool: ServerPool, drafter: DrafterHandle) -> None:
+        self.settings, self.target, self.pool, self.drafter = s, target, pool, drafter
         self._ab: dict[str, ABResult] = {}
         self._failed: dict[str, str] = {}
         self._single: dict[str, Any] = {}
 
     def configs(self, engine: str) -> dict[str, Any]:
-        return eagle3_server_configs(self.s, self.target, engine, self.drafter.path, self.drafter.steps)
+        return eagle3_server_configs(self.settings, self.target, engine, self.drafter.path, self.drafter.steps)
 
     def cached(self, engine: str) -> ABResult | None:
         return self._ab.get(engine)
@@ -256,8 +256,8 @@ class Eagle3Runs:
                         pytrace=False)
         from kimi_perf.eagle3.evaluate import measure_generation
 
-        require_engine(self.s, engine)
-        max_new, _, _ = eval_settings(self.s)
+        require_engine(self.settings, engine)
+        max_new, _, _ = eval_settings(self.settings)
         prompts = [list(p) for p in self.drafter.eval_prompts]
         cfgs = self.configs(engine)
         out = ABResult(engine, configs={k: c.name for k, c in cfgs.items()})
@@ -269,13 +269,13 @@ class Eagle3Runs:
                 # 15-17% slower for plain decoding and 37% for speculative.
                 srv = self.pool.get(cfg)
                 measure_generation(srv.base_url, srv.model, prompts, min(max_new, 8), name=f"eagle3-{engine}-{name}-warmup")
-            for r in range(self.s.repeats):
+            for r in range(self.settings.repeats):
                 for name, cfg in cfgs.items():
                     srv = self.pool.get(cfg)
                     out.versions[name] = srv.version
                     res = measure_generation(srv.base_url, srv.model, prompts, max_new, name=f"eagle3-{engine}-{name}")
                     getattr(out, name).append(res)
-                    log(f"eagle3 A/B [{engine}] repeat {r + 1}/{self.s.repeats} {name}: {res.output_tok_s:.1f} tok/s"
+                    log(f"eagle3 A/B [{engine}] repeat {r + 1}/{self.settings.repeats} {name}: {res.output_tok_s:.1f} tok/s"
                         + (f", accept length {res.accept_length:.2f}" if name == "spec" else ""))
             if while_up is not None:
                 while_up({name: self.pool.get(cfg) for name, cfg in cfgs.items()})
@@ -298,13 +298,13 @@ class Eagle3Runs:
             best = min(ab.spec, key=lambda r: abs(r.accept_length - med))
             return best, f"median of the {len(ab.spec)} A/B repeats"
         if engine not in self._single:
-            require_engine(self.s, engine)
-            self._single[engine] = measure_once(self.s, self.pool, self.configs(engine)["spec"],
+            require_engine(self.settings, engine)
+            self._single[engine] = measure_once(self.settings, self.pool, self.configs(engine)["spec"],
                                                 self.drafter.eval_prompts, f"eagle3-{engine}-spec-single")
         return self._single[engine], "one pass (the A/B did not run in this session)"
 
 
-def measure_once(s: PerfSession, pool: ServerPool, cfg: Any, prompts: Any, name: str, *,
+def measure_once(s: Eagle3Settings, pool: ServerPool, cfg: Any, prompts: Any, name: str, *,
                  exclusive: bool = False) -> Any:
     """One greedy pass of ``prompts`` (``eagle3.eval.max_new_tokens`` each) on ``cfg``'s server, which is
     started if needed and stopped afterwards; the AcceptanceResult."""

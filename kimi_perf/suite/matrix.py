@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from kimi_perf.progress import log
-from kimi_perf.session import PerfSession
+from kimi_perf.session import Eagle3Settings
 
 from .alignment import AlignmentContext
 from .drafters import DrafterHandle, Eagle3Runs, measure_once, require_engine, spec_engine_config
@@ -32,18 +32,18 @@ from .servers import ServerPool, engine_config
 class ExtractionMatrix:
     """Per-session cache of the matrix's pieces: row drafters, engine captures, cosines, acceptance."""
 
-    def __init__(self, s: PerfSession, target: TargetModel, pool: ServerPool, alignment: AlignmentContext,
+    def __init__(self, s: Eagle3Settings, target: TargetModel, pool: ServerPool, alignment: AlignmentContext,
                  drafter: DrafterHandle, runs: Eagle3Runs) -> None:
-        e = s.profile.eagle3
+        e = s.eagle3
         if e is None or e.matrix is None:
-            pytest.skip(f"profile {s.profile.name} has no eagle3.matrix section")
+            pytest.skip(f"profile {s.servers.profile_name} has no eagle3.matrix section")
         self.plan = e.matrix  # validated when the profile loaded
         # below this the own-features drafter cannot resolve an acceptance drop (the layer-mismatch test's bound)
         self.resolvable = e.eval.mismatch_min_accept_length
         try:
             self.recipe = e.drafter_recipe()
         except (TypeError, ValueError) as ex:
-            raise pytest.UsageError(f"profile {s.profile.path}: eagle3.recipe (the matrix trains its row drafters "
+            raise pytest.UsageError(f"profile {s.servers.profile_path}: eagle3.recipe (the matrix trains its row drafters "
                                     f"with it): {ex}") from None
         self.s, self.target, self.pool, self.al, self.drafter, self.runs = s, target, pool, alignment, drafter, runs
         self.layers = tuple(alignment.st.aux)
@@ -56,13 +56,13 @@ class ExtractionMatrix:
     # -- pieces ----------------------------------------------------------------------------------
 
     def kind(self, engine: str) -> str:
-        return str(self.s.profile.engines[engine]["kind"])
+        return str(self.s.servers.engines[engine]["kind"])
 
     def engine_of_kind(self, kind: str) -> str:
-        for name, raw in self.s.profile.engines.items():
+        for name, raw in self.s.servers.engines.items():
             if raw.get("kind") == kind:
                 return name
-        raise pytest.UsageError(f"profile {self.s.profile.path}: the matrix extracts through {kind}, which no engine "
+        raise pytest.UsageError(f"profile {self.s.servers.profile_path}: the matrix extracts through {kind}, which no engine "
                                 "of the profile is")
 
     def spec(self, row: Any, server: Any = None) -> Any:
@@ -190,7 +190,7 @@ class ExtractionMatrix:
             + (f", training seed {seed}" if seed is not None else "")
             + "; same samples and recipe as the session's drafter, only the feature path"
             + (" and the seed differ" if seed is not None else " differs"))
-        gen_cfg = engine_config(self.s, "reference", self.target,
+        gen_cfg = engine_config(self.s.servers, "reference", self.target,
                                 max_running_requests=max(self.recipe.data.concurrency, 1))
         art = build_drafter(recipe, self.target.path,
                             self.target.fingerprint, gen_url=lambda: self.pool.get(gen_cfg).base_url,

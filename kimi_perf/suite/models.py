@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kimi_perf.missing import missing
+from kimi_perf.missing import MissingPolicy, missing
 from kimi_perf.models.embedded import model_fingerprint
-from kimi_perf.session import PerfSession
+from kimi_perf.profiles import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -25,17 +25,19 @@ class TargetModel:
         return "dummy" if self.source == "dummy" else "auto"
 
 
-def resolve_target(s: PerfSession) -> TargetModel:
-    spec = s.profile.model
-    if s.endpoint is not None and s.endpoint.tokenizer is not None:
+def resolve_target(spec: ModelSpec, profile_name: str, policy: MissingPolicy, *, override: str | None = None,
+                   tokenizer: Path | None = None) -> TargetModel:
+    """The profile's model ``spec`` as a local directory. ``override`` is ``--perf-model``; ``tokenizer``
+    the ``--perf-url`` endpoint's tokenizer directory (the model then runs elsewhere); ``policy`` the
+    skip-or-fail rule for a model that is not there."""
+    if tokenizer is not None:
         # --perf-url serves the model elsewhere: only its tokenizer is needed here (prompts are token
         # ids); the profile's model name keys the baselines
-        tok = s.endpoint.tokenizer
-        return TargetModel(spec.name, tok, "tokenizer", model_fingerprint(tok))
-    if s.model_override:
-        p = Path(s.model_override).expanduser()
+        return TargetModel(spec.name, tokenizer, "tokenizer", model_fingerprint(tokenizer))
+    if override:
+        p = Path(override).expanduser()
         if not (p / "config.json").is_file():
-            raise pytest.UsageError(f"--perf-model {s.model_override}: not a model directory (no config.json)")
+            raise pytest.UsageError(f"--perf-model {override}: not a model directory (no config.json)")
         return TargetModel(p.name, p, "path", model_fingerprint(p))
     if spec.source == "embedded":
         from kimi_perf.models.embedded import ensure_embedded_model
@@ -43,7 +45,7 @@ def resolve_target(s: PerfSession) -> TargetModel:
         try:
             m = ensure_embedded_model()
         except FileNotFoundError as e:
-            missing(s.config, f"embedded model unavailable: {e}")
+            missing(policy, f"embedded model unavailable: {e}")
         return TargetModel(m.name, m.path, "embedded", model_fingerprint(m.path))
     if spec.source == "dummy":
         from kimi_perf.models.dummy import ensure_dummy_model
@@ -53,11 +55,11 @@ def resolve_target(s: PerfSession) -> TargetModel:
         try:
             p = ensure_dummy_model(spec.dummy_shape, DUMMY_SHAPES[spec.dummy_shape])
         except FileNotFoundError as e:
-            missing(s.config, f"dummy model needs the embedded tokenizer: {e}")
+            missing(policy, f"dummy model needs the embedded tokenizer: {e}")
         return TargetModel(spec.name, p, "dummy", model_fingerprint(p))
     p = Path(spec.path or "").expanduser()
     if not (p / "config.json").is_file():
-        missing(s.config, f"profile {s.profile.name}: model {spec.name} not found at {spec.path} "
+        missing(policy, f"profile {profile_name}: model {spec.name} not found at {spec.path} "
                 "(mount it there or pass --perf-model PATH)")
     return TargetModel(spec.name, p, "path", model_fingerprint(p))
 

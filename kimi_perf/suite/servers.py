@@ -21,39 +21,44 @@ import pytest
 from kimi_perf.bench import RunningServer, fetch_version
 from kimi_perf.engines.base import EngineConfig
 from kimi_perf.launcher import ServerError, ServerProcess
-from kimi_perf.missing import missing
+from kimi_perf.missing import MissingPolicy, missing
 from kimi_perf.progress import log
-from kimi_perf.session import PerfSession
+from kimi_perf.session import ServerSettings
 
 from .models import TargetModel
 
 
-def engine_python(s: PerfSession, kind: str) -> str | None:
+def engine_python(s: ServerSettings, kind: str) -> str | None:
     """The interpreter that runs an engine: ours for the reference engine, the engine's own env else."""
     if kind == "reference":
         return sys.executable
     return s.engine_pythons.get(kind)
 
 
-def require_engine_python(s: PerfSession, name: str, kind: str) -> str:
+def require_engine_python(s: ServerSettings, name: str, kind: str) -> str:
     """:func:`engine_python`, or the one skip-or-fail policy (kimi_perf.missing) when the engine's own
     environment is not there: a skip on a laptop, a failure under CI=true or a named profile."""
     py = engine_python(s, kind)
     if py is None:
         made = " (scripts/setup.sh --full makes .venv-vllm)" if kind == "vllm" else ""
-        missing(s.config, f"engine {name} ({kind}) needs its own environment: pass --perf-{kind}-python PATH or "
+        missing(s.policy, f"engine {name} ({kind}) needs its own environment: pass --perf-{kind}-python PATH or "
                           f"set KIMI_PERF_{kind.upper()}_PYTHON{made} (see docs/gpu-runners.md, 'Engine environments')", engine_kind=kind)
     return py
 
 
 class ServerPool:
-    def __init__(self, log_dir: Path, config: pytest.Config | None = None, *, no_launch: str | None = None) -> None:
-        self.config = config
+    def __init__(self, log_dir: Path, policy: MissingPolicy | None = None, *, no_launch: str | None = None) -> None:
+        self.policy = policy
         self.log_dir = log_dir
         self.servers: dict[EngineConfig, RunningServer] = {}
         self.failed: dict[EngineConfig, str] = {}
         # --perf-url: the server under test is someone else's; a test that needs launches of its own skips
         self.no_launch = no_launch
+
+    @classmethod
+    def for_settings(cls, settings: ServerSettings, *, no_launch: str | None = None) -> ServerPool:
+        """The session's pool: logs under ``settings.log_dir``, earlier failures by ``settings.policy``."""
+        return cls(settings.log_dir, settings.policy, no_launch=no_launch)
 
     def get(self, cfg: EngineConfig, *, exclusive: bool = False) -> RunningServer:
         if self.no_launch:
@@ -62,9 +67,9 @@ class ServerPool:
             # the first test that needed it failed with the whole error; later ones say so in one line,
             # and under CI=true / a named profile they fail too instead of turning green as skips
             reason = f"{cfg.name} failed to start earlier in this session: {self.failed[cfg].splitlines()[0]}"
-            if self.config is None:
+            if self.policy is None:
                 pytest.skip(reason)
-            missing(self.config, reason)
+            missing(self.policy, reason)
         if exclusive:
             for other in [c for c in self.servers if c != cfg]:
                 self.stop(other)
@@ -105,15 +110,15 @@ class ServerPool:
             self.stop(cfg)
 
 
-def engine_config(s: PerfSession, name: str, target: TargetModel, *, tag: str | None = None,
+def engine_config(s: ServerSettings, name: str, target: TargetModel, *, tag: str | None = None,
                   **overrides: Any) -> EngineConfig:
     """The profile's engine ``name`` for ``target``, with optional setting overrides. ``tag`` names the
     variant in logs (``reference-spec``); baselines key on the profile's engine name."""
     from kimi_perf.engines.registry import EngineConfigError, build_engine_config
 
-    if name not in s.profile.engines:
-        pytest.skip(f"profile {s.profile.name} defines no engine {name!r} (engines: {', '.join(s.profile.engines)})")
-    raw = s.profile.engines[name]
+    if name not in s.engines:
+        pytest.skip(f"profile {s.profile_name} defines no engine {name!r} (engines: {', '.join(s.engines)})")
+    raw = s.engines[name]
     kind = raw["kind"]
     py = require_engine_python(s, name, kind)
     extra: dict[str, Any] = dict(overrides)
@@ -124,7 +129,7 @@ def engine_config(s: PerfSession, name: str, target: TargetModel, *, tag: str | 
     try:
         cfg = build_engine_config(name, raw, model_path=str(target.path), served_model_name=target.name,
                                   python=py, ready_timeout_s=s.server_timeout_s, overrides=extra,
-                                  source=str(s.profile.path), allow_remote_bind=s.allow_remote_bind)
+                                  source=str(s.profile_path), allow_remote_bind=s.allow_remote_bind)
     except EngineConfigError as e:
         raise pytest.UsageError(str(e)) from None
     if tag is None:
