@@ -176,6 +176,18 @@ def _package_edges(graph: dict[str, set[str]], src: str, dst: str) -> list[str]:
                   for t in ts if t == dst or t.startswith(dst + "."))
 
 
+def test_the_engines_sit_below_the_drafter_pipeline():
+    """The reference engine serves EAGLE-3 drafters, so the drafter architecture and the drafting runtime
+    live under engines/reference/ (drafter_model, drafting) and the training pipeline (kimi_perf.eagle3)
+    imports them from there. engines/reference/loading importing kimi_perf.eagle3.runtime was the last
+    arrow running back up."""
+    g = import_graph()
+    for up in ("kimi_perf.eagle3", "kimi_perf.alignment", "kimi_perf.suite"):
+        assert not _package_edges(g, "kimi_perf.engines", up), _package_edges(g, "kimi_perf.engines", up)
+    assert _package_edges(g, "kimi_perf.eagle3", "kimi_perf.engines.reference.drafter_model"), \
+        "the pipeline no longer imports the drafter architecture from the engine: is this test still reading it?"
+
+
 def test_the_capture_layer_sits_below_alignment_and_eagle3():
     """Hidden-state capture (per engine, with each engine's layer-id rule) is what alignment compares
     and what the EAGLE-3 feature pipeline trains on: both import it, it imports neither, and the
