@@ -134,9 +134,8 @@ def test_a_trained_drafter_is_compared_with_the_shipped_one_file_by_file(tmp_pat
 def _row_recipe(name: str):
     from kimi_perf.eagle3.matrix import parse_row
 
-    r, row = _recipe(), parse_row(name)
-    return replace(r, features=replace(r.features, backend=row.backend, layer_offset=row.layer_offset,
-                                       transform=row.transform))
+    r = _recipe()
+    return replace(r, features=parse_row(name).features_of(r.features))
 
 
 def test_every_trained_row_of_the_reduced_matrix_is_shipped():

@@ -70,6 +70,13 @@ class MatrixRow:
     def planted(self) -> bool:
         return self.layer_offset != 0 or self.transform != "none"
 
+    def features_of(self, spec: Any, **more: Any) -> Any:
+        """``spec`` (a recipe's FeatureSpec) with this row's extraction path: what the row's drafter is
+        trained on and what its shipped bundle is keyed by (``more``: e.g. the capture server's URL)."""
+        from dataclasses import replace
+
+        return replace(spec, backend=self.backend, layer_offset=self.layer_offset, transform=self.transform, **more)
+
     def describe(self) -> str:
         what = {"hf": "transformers forward with pre-hooks", "reference": "reference engine prefill",
                 "vllm": "vLLM extract_hidden_states prefill",

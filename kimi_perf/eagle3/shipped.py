@@ -262,9 +262,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from .matrix import parse_row
 
-        row = parse_row(a.row)
-        recipe = replace(recipe, features=replace(recipe.features, backend=row.backend, layer_offset=row.layer_offset,
-                                                  transform=row.transform))
+        recipe = replace(recipe, features=parse_row(a.row).features_of(recipe.features))
     if a.cmd == "check":
         try:
             b, why = find_shipped(recipe, fp)

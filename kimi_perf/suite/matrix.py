@@ -66,9 +66,8 @@ class ExtractionMatrix:
                                 "of the profile is")
 
     def spec(self, row: Any, server: Any = None) -> Any:
-        return replace(self.recipe.features, backend=row.backend, layer_offset=row.layer_offset,
-                       transform=row.transform, server_url=server.base_url if server else None,
-                       server_model=server.model if server else None)
+        return row.features_of(self.recipe.features, server_url=server.base_url if server else None,
+                               server_model=server.model if server else None)
 
     def inference(self, engine: str) -> list[Any]:
         """``engine``'s hidden states at the drafter's aux layers while generating the alignment prompts
