@@ -232,10 +232,11 @@ def unreachable(profile: Profile, key: BaselineKey) -> str | None:
             return "decode_floor runs only with throughput.min_floor_ratio set"
         want = throughput_workload(tp, s, key.concurrency)
         return None if key.workload == want else f"workload {key.workload!r}: the profile's {s} runs {want!r}"
-    if s in EAGLE3_SCENARIOS:
+    if s in EAGLE3_SCENARIOS or s == ENDPOINT_ACCEPTANCE:
         if not profile.eagle3:
             return f"the profile has no eagle3 section, so no {s}"
-        engines = profile.eagle3.engines
+        # an endpoint (--perf-url) is measured as any of the profile's engines
+        engines = tuple(profile.engines) if s == ENDPOINT_ACCEPTANCE else profile.eagle3.engines
         if s == "eagle3_acceptance" and "vllm" in profile.engines:
             # test_acceptance_in_vllm serves the same drafter on vllm when eagle3.engines leaves it out
             engines = (*engines, "vllm")
@@ -246,16 +247,7 @@ def unreachable(profile: Profile, key: BaselineKey) -> str | None:
             return f"engine {key.engine!r} does not run {s} under this profile (engines {list(engines)})"
         if key.concurrency != 1:
             return f"{s} runs at concurrency 1, not {key.concurrency}"
-        want = eagle3_workload(profile)
-        return None if key.workload == want else f"workload {key.workload!r}: the profile's {s} runs {want!r}"
-    if s == ENDPOINT_ACCEPTANCE:
-        if not profile.eagle3:
-            return f"the profile has no eagle3 section, so no {s}"
-        if key.engine not in profile.engines:
-            return f"engine {key.engine!r} is not one of the profile's {list(profile.engines)}"
-        if key.concurrency != 1:
-            return f"{s} runs at concurrency 1, not {key.concurrency}"
-        want = endpoint_acceptance_workload(profile)
+        want = scenario_workload(profile, s)
         return None if key.workload == want else f"workload {key.workload!r}: the profile's {s} runs {want!r}"
     if s == "prefix_cache":
         tp = profile.throughput
