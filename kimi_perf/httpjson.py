@@ -10,6 +10,7 @@ all. urllib rather than aiohttp: these are single synchronous calls between meas
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from typing import Any
@@ -17,10 +18,14 @@ from typing import Any
 __all__ = ["fetch", "get_json", "get_text", "post"]
 
 
+def _request(url: str, headers: Mapping[str, str] | None, data: bytes | None) -> urllib.request.Request:
+    # a body makes it a POST (urllib's rule); the headers are the only place the endpoint's token goes
+    return urllib.request.Request(url, data=data, headers=dict(headers or {}))
+
+
 def fetch(url: str, headers: Mapping[str, str] | None, timeout: float, data: bytes | None = None) -> bytes:
     """The body at ``url`` (a POST of ``data`` when given); urllib's errors propagate."""
-    req = urllib.request.Request(url, data=data, headers=dict(headers or {}))
-    with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - loopback or the --perf-url endpoint
+    with urllib.request.urlopen(_request(url, headers, data), timeout=timeout) as r:  # noqa: S310 - loopback or the --perf-url endpoint
         return bytes(r.read())
 
 
@@ -37,11 +42,8 @@ def get_json(url: str, headers: Mapping[str, str] | None = None, timeout: float 
 def post(url: str, body: bytes, headers: Mapping[str, str] | None = None, timeout: float = 600.0) -> tuple[int, str]:
     """POST ``body``; (status, text) for any HTTP answer, errors included (urllib raises only for the
     connection then)."""
-    import urllib.error
-
-    req = urllib.request.Request(url, data=body, headers=dict(headers or {}), method="POST")
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - loopback or --perf-url
+        with urllib.request.urlopen(_request(url, headers, body), timeout=timeout) as r:  # noqa: S310 - loopback or --perf-url
             return r.status, r.read().decode(errors="replace")
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode(errors="replace")
