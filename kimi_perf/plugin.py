@@ -141,7 +141,7 @@ def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
     return [f"kimi-perf: profile {s.profile.name} ({s.profile.hardware}), engines {','.join(s.engines)}, "
             f"repeats {s.repeats}, hardware {s.hardware}, baselines {s.store.path.name} ({base})"
             + (", UPDATING baselines" if s.update else "")] + (
-        [f"kimi-perf A/B: candidate = this checkout, base = {s.ab.label}; threshold {s.profile.ab.threshold:.1%}, "
+        [f"kimi-perf A/B: candidate = this checkout, base = {s.ab.label}; threshold {s.profile.ab.describe_thresholds()}, "
          f"blocks {s.profile.ab.min_blocks}-{s.profile.ab.max_blocks} x {s.profile.ab.repeats_per_block} pairs"
          + f", {s.profile.ab.launch_schedule}"] if s.ab else [])
 

@@ -101,6 +101,8 @@ WORKLOAD = {
 
 AB = {
     "threshold": "a regression this large must FAIL (default 5% on cpu, 2.5% on cuda)",
+    "thresholds": "metric -> its own threshold, for a metric too noisy to decide `threshold` in the job's time "
+                  "(choose from a power study: python -m kimi_perf.power --replay-only)",
     "alpha": "family-wise error: each of m gated metrics gets a 1 - alpha/m interval",
     "repeats_per_block": "pairs per block, in ABBA order (odd: the block summary is their median)",
     "min_blocks": "blocks before a verdict may be reached",
@@ -284,6 +286,8 @@ def top_level() -> dict[str, tuple[str, dict[str, Any]]]:
                                     required=["kind"]))
     ab_props = _props_from(ABSpec, AB)
     ab_props["relaunch"] = {"type": "boolean", "description": AB["relaunch"]}
+    ab_props["thresholds"] = {"type": "object", "description": AB["thresholds"],
+                              "additionalProperties": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}}
     for k in ("single_stream", "top"):
         ab_props[k] = {"type": "object", "description": AB[k],
                        "properties": {**{w: {"type": "integer", "description": WORKLOAD[w]}

@@ -117,6 +117,19 @@ def test_ab_section_defaults_depend_on_hardware_and_bad_values_name_the_key():
         parse_ab({"relaunch": "yes"}, hardware="cpu")
 
 
+def test_a_metric_can_have_its_own_threshold_and_a_bad_one_names_the_fix():
+    spec = parse_ab({"thresholds": {"steady_output_throughput": 0.075}}, hardware="cuda")
+    assert spec.threshold_for("steady_output_throughput") == 0.075 and spec.threshold_for("decode_tok_s") == 0.025
+    assert spec.describe_thresholds() == "2.5% (steady_output_throughput 7.5%)"
+    assert parse_ab(None, hardware="cpu").describe_thresholds() == "5.0%"
+    with pytest.raises(ABConfigError, match="unknown metric.*steady_tput.*docs/metrics.md"):
+        parse_ab({"thresholds": {"steady_tput": 0.075}}, hardware="cuda")
+    with pytest.raises(ABConfigError, match="fractions in"):
+        parse_ab({"thresholds": {"steady_output_throughput": 7.5}}, hardware="cuda")
+    with pytest.raises(ABConfigError, match="must map metric names"):
+        parse_ab({"thresholds": [0.075]}, hardware="cuda")
+
+
 def test_variants_are_validated_and_cannot_choose_what_runs():
     engines = {"reference": {"kind": "reference"}, "sglang": {"kind": "sglang"}}
     v = parse_variants({"nccl": {"engine": "sglang", "settings": {"nccl_preset": "seed-pcie-tuned"}}}, engines)

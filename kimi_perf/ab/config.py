@@ -29,6 +29,10 @@ class ABSpec:
     """How an A/B comparison is run and decided on this profile's machine."""
 
     threshold: float = 0.05  # a regression this large must FAIL (CPU 5% catches 10%; GPU 2.5% catches 5%)
+    # per-metric overrides of `threshold`: a metric whose pairs are too noisy to decide `threshold`
+    # within the job's time gets the smallest threshold it can decide there, chosen from a power
+    # study's replay (python -m kimi_perf.power --replay-only) and written into the profile's sources
+    thresholds: Mapping[str, float] = field(default_factory=dict)
     alpha: float = 0.05  # family-wise: each of m gated metrics gets a 1 - alpha/m interval
     repeats_per_block: int = 3  # pairs per block, in ABBA order (odd: the block summary is their median)
     min_blocks: int = 3
@@ -66,6 +70,15 @@ class ABSpec:
         """The launch schedule in words, for reports."""
         return describe_launches(self.blocks_per_launch, self.pin_cpus, self.parallel_launch)
 
+    def threshold_for(self, metric: str) -> float:
+        """The regression threshold ``metric`` is decided at."""
+        return float(self.thresholds.get(metric, self.threshold))
+
+    def describe_thresholds(self) -> str:
+        """``2.5%`` or ``2.5% (steady_output_throughput 7.5%)``, for headers and reports."""
+        extra = ", ".join(f"{m} {t:.1%}" for m, t in sorted(self.thresholds.items()))
+        return f"{self.threshold:.1%}" + (f" ({extra})" if extra else "")
+
     @property
     def relaunch(self) -> bool:
         """Whether servers are launched more than once per comparison (reports, older readers)."""
@@ -86,6 +99,10 @@ class ABSpec:
         problems = []
         if not 0 < self.threshold < 1:
             problems.append(f"threshold {self.threshold} (a fraction in (0, 1), e.g. 0.05)")
+        bad = {m: t for m, t in self.thresholds.items()
+               if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1}
+        if bad:
+            problems.append(f"thresholds {bad} (fractions in (0, 1), e.g. {{\"steady_output_throughput\": 0.075}})")
         if not 0 < self.alpha < 1:
             problems.append(f"alpha {self.alpha} (in (0, 1), e.g. 0.05)")
         if self.repeats_per_block < 1:
@@ -144,6 +161,18 @@ def parse_ab(raw: Mapping[str, Any] | None, *, hardware: str) -> ABSpec:
             raise ABConfigError(f"gated: {g!r} must map probe (single_stream, top) to a list of metric names, "
                                 'e.g. {"single_stream": ["decode_tok_s"], "top": ["output_throughput"]}')
         raw["gated"] = {k: tuple(v) for k, v in g.items()}
+    if "thresholds" in raw:
+        from ..metrics import METRICS
+
+        th = raw["thresholds"]
+        if not isinstance(th, Mapping) or not all(isinstance(m, str) for m in th):
+            raise ABConfigError(f"thresholds: {th!r} must map metric names to fractions, "
+                                'e.g. {"steady_output_throughput": 0.075}')
+        unknown_m = sorted(set(th) - set(METRICS))
+        if unknown_m:
+            raise ABConfigError(f"thresholds: unknown metric(s) {unknown_m}; metrics are defined in "
+                                "kimi_perf/metrics.py and docs/metrics.md")
+        raw["thresholds"] = dict(th)
     raw.setdefault("threshold", 0.025 if hardware == "cuda" else 0.05)
     if "relaunch" in raw:  # the older spelling: true = every block, false = once
         if "blocks_per_launch" in raw:

@@ -450,7 +450,7 @@ def stop_reason(decisions: Sequence[ABDecision], blocks: int, spec: ABSpec, *, f
 def _decide_all(out: ABOutcome, family: int, *, final: bool) -> list[ABDecision]:
     s = out.spec
     return [decide(METRICS[m], p.name, out.block_log_ratios(p.name, m), out.samples("base", p.name, m),
-                   out.samples("candidate", p.name, m), threshold=s.threshold, alpha=s.alpha, family=family,
+                   out.samples("candidate", p.name, m), threshold=s.threshold_for(m), alpha=s.alpha, family=family,
                    min_blocks=s.min_blocks, final=final)
             for p in out.probes for m in p.gated]
 
