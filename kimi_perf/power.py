@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from .ab.config import ABSpec, describe_launches
-from .ab.decide import decide
+from .ab.decide import decide, log_ratio
 from .ab.runner import ABOutcome, ABSideError, Probe, run_ab, stop_reason
 from .ab.variance import aa_bias, pair_log_ratios, second_launch_effect, variance_components
 from .bench import RunningServer, fetch_version
@@ -96,6 +96,12 @@ def _overall(verdicts: Sequence[str]) -> str:
     return "INCONCLUSIVE"
 
 
+# every pair's figures kept in the study, gated or not: the gated ones and candidates for gating
+# (--replay-only can decide any of them), plus what explains noise (engine CPU, host steal)
+RECORDED = ("decode_tok_s", "output_throughput", "steady_output_throughput", "tpot_ms_p50", "ttft_ms_p50",
+            "e2el_ms_p50", "engine_cpu_ms_per_tok", "host_steal_fraction")
+
+
 def trial_record(out: ABOutcome, plant: float, round_: int) -> dict[str, Any]:
     gated = [(p.name, m) for p in out.probes for m in p.gated]
     return {
@@ -110,8 +116,7 @@ def trial_record(out: ABOutcome, plant: float, round_: int) -> dict[str, Any]:
         # every pair's gated and noise-resistant figures, for analyses the gate does not make
         "pairs": [{"block": pr.block, "launch": pr.launch, "probe": pr.probe, "first": pr.first, "redone": pr.redone,
                    **{f"{side}_{k}": getattr(pr, side).get(k) for side in ("base", "candidate")
-                      for k in ("decode_tok_s", "output_throughput", "steady_output_throughput",
-                                "engine_cpu_ms_per_tok", "host_steal_fraction")}}
+                      for k in RECORDED}}
                   for pr in out.pairs],
         "launch_order": [[x["role"], x.get("round", 0)] for x in out.launches],
         "cpus": out.cpus,
@@ -121,12 +126,13 @@ def trial_record(out: ABOutcome, plant: float, round_: int) -> dict[str, Any]:
     }
 
 
-def replay(blocks: Sequence[dict[str, list[float]]], spec: ABSpec, probes: Sequence[Probe], *, n_trials: int,
-           seed: int = 0) -> dict[str, Any]:
+def replay(blocks: Sequence[dict[str, list[float]]], spec: ABSpec, gated: Sequence[tuple[str, str]], *,
+           n_trials: int, seed: int = 0, s_per_block: float | None = None) -> dict[str, Any]:
     """Sequential trials decided by the gate's own rule on blocks drawn with replacement from
-    ``blocks`` (each a mapping "probe:metric" -> that block's pair log ratios)."""
+    ``blocks`` (each a mapping "probe:metric" -> that block's pair log ratios); ``gated`` lists the
+    (probe, metric) pairs decided. With ``s_per_block`` (the study's measured wall time per block,
+    launches included) the median verdict time is estimated too."""
     rng = np.random.default_rng(seed)
-    gated = [(p.name, m) for p in probes for m in p.gated]
     family = len(gated)
     counts = {"PASS": 0, "FAIL": 0, "INCONCLUSIVE": 0}
     used = []
@@ -136,7 +142,7 @@ def replay(blocks: Sequence[dict[str, list[float]]], spec: ABSpec, probes: Seque
         for b in range(spec.max_blocks):
             chosen.append(blocks[int(rng.integers(len(blocks)))])
             final = b + 1 >= spec.max_blocks
-            ds = [decide(METRICS[m], p, [c[f"{p}:{m}"] for c in chosen], [], [], threshold=spec.threshold,
+            ds = [decide(METRICS[m], p, [c[f"{p}:{m}"] for c in chosen], [], [], threshold=spec.threshold_for(m),
                          alpha=spec.alpha, family=family, min_blocks=spec.min_blocks, final=final)
                   for p, m in gated]
             if stop_reason(ds, b + 1, spec, final=final):
@@ -144,8 +150,38 @@ def replay(blocks: Sequence[dict[str, list[float]]], spec: ABSpec, probes: Seque
                 break
         counts[verdict] += 1
         used.append(len(chosen))
-    return {"trials": n_trials, "blocks_pool": len(blocks), **{k.lower(): v for k, v in counts.items()},
-            "mean_blocks": float(np.mean(used)) if used else None}
+    out: dict[str, Any] = {"trials": n_trials, "blocks_pool": len(blocks),
+                           **{k.lower(): v for k, v in counts.items()},
+                           "mean_blocks": float(np.mean(used)) if used else None,
+                           "median_blocks": float(np.median(used)) if used else None}
+    if s_per_block and used:
+        out["est_median_wall_s"] = float(np.median(used)) * s_per_block
+    return out
+
+
+def _condition_blocks(trials: Sequence[dict[str, Any]], keys: Sequence[str] = ()
+                      ) -> tuple[list[dict[str, list[float]]], float | None]:
+    """The recorded blocks of a condition's trials, and their median wall time per block. ``keys``
+    ("probe:metric") not gated when the trial ran are rebuilt from its recorded pairs, so a replay can
+    ask what gating another recorded metric would have given."""
+    blocks: list[dict[str, list[float]]] = []
+    per_block = []
+    for t in trials:
+        per = dict(t["block_log_ratios"])
+        for key in keys:
+            if key not in per:
+                probe, _, m = key.partition(":")
+                rows = [pr for pr in t.get("pairs", []) if pr["probe"] == probe and pr.get(f"base_{m}") is not None]
+                if not rows:
+                    continue
+                nb = max(pr["block"] for pr in rows) + 1
+                per[key] = [[log_ratio(pr[f"base_{m}"], pr[f"candidate_{m}"]) for pr in rows if pr["block"] == b]
+                            for b in range(nb)]
+        nb = min(len(v) for v in per.values()) if per else 0
+        blocks += [{k: v[i] for k, v in per.items()} for i in range(nb)]
+        if nb:
+            per_block.append(t["wall_s"] / nb)
+    return blocks, (float(np.median(per_block)) if per_block else None)
 
 
 def summarize(entry: dict[str, Any], spec: ABSpec, probes: Sequence[Probe], *, replay_trials: int) -> dict[str, Any]:
@@ -162,11 +198,7 @@ def summarize(entry: dict[str, Any], spec: ABSpec, probes: Sequence[Probe], *, r
         k_inc = sum(t["verdict"] == "INCONCLUSIVE" for t in ok)
         walls = {v: float(np.median([t["wall_s"] for t in ok if t["verdict"] == v]))
                  for v in ("PASS", "FAIL", "INCONCLUSIVE") if any(t["verdict"] == v for t in ok)}
-        blocks = []
-        for t in ok:
-            per = t["block_log_ratios"]
-            nb = min(len(v) for v in per.values()) if per else 0
-            blocks += [{k: v[i] for k, v in per.items()} for i in range(nb)]
+        blocks, s_per_block = _condition_blocks(ok)
         c: dict[str, Any] = {
             "trials": n, "errors": len(trials) - n, "fail": k_fail, "inconclusive": k_inc,
             "pass": n - k_fail - k_inc, "fail_rate": k_fail / n if n else None,
@@ -183,13 +215,59 @@ def summarize(entry: dict[str, Any], spec: ABSpec, probes: Sequence[Probe], *, r
                     noise[f"{p.name}:{m}"].update(aa_bias=aa_bias(rows), second_launch=second_launch_effect(rows))
         c["noise"] = noise
         if blocks and replay_trials:
-            r = replay(blocks, spec, probes, n_trials=replay_trials, seed=int(float(plant) * 1000))
+            r = replay(blocks, spec, [(p.name, m) for p in probes for m in p.gated], n_trials=replay_trials,
+                       seed=int(float(plant) * 1000), s_per_block=s_per_block)
             r["fail_rate"] = r["fail"] / r["trials"]
             r["fail_rate_ci95"] = clopper_pearson(r["fail"], r["trials"])
             r["inconclusive_rate"] = r["inconclusive"] / r["trials"]
             c["replay"] = r
         out["conditions"][plant] = c
     return out
+
+
+# decision knobs a replay can change: the blocks were measured with the stored probes, pairs per block
+# and launch schedule, so only how they are decided (and how many are drawn) can be asked "what if"
+REPLAYABLE = ("threshold", "thresholds", "alpha", "min_blocks", "max_blocks", "gated")
+
+
+def what_if(doc: dict[str, Any], overrides: dict[str, Any], *, labels: Sequence[str] = (),
+            n_trials: int = 4000) -> str:
+    """The replay of every stored study (or ``labels``) under its recorded policy changed by
+    ``overrides``: the error rates and verdict time another threshold or block budget would give on the
+    noise those machines showed, before a device lease is spent on direct trials of it."""
+    bad = sorted(set(overrides) - set(REPLAYABLE))
+    if bad:
+        raise SystemExit(f"--replay-only: {bad} changed what was measured, which a replay cannot; "
+                         f"it can change {', '.join(REPLAYABLE)}")
+    lines = [f"What-if replay of recorded blocks ({n_trials} trials per condition) with "
+             + (", ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items()) or "the recorded policy"), "",
+             "| machine | planted | blocks pool | PASS | FAIL | INCONCLUSIVE | median blocks | est. median wall s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for label, e in doc.get("machines", {}).items():
+        if labels and label not in labels:
+            continue
+        stored = {k: v for k, v in e["spec"].items() if k in ABSpec.__dataclass_fields__}
+        spec = ABSpec(**{**stored, **overrides})
+        gated = [(p["name"], m) for p in e["probes"] for m in p["gated"]]
+        if "gated" in overrides:  # probe roles (single_stream / top) -> the recorded probe names
+            names = {"single_stream": "single_stream", "top": next((p["name"] for p in e["probes"]
+                                                                   if p["name"] != "single_stream"), "top")}
+            gated = [(names[r], m) for r, ms in overrides["gated"].items() for m in ms]
+        by_plant: dict[float, list[dict[str, Any]]] = {}
+        for t in e["trials"]:
+            if not t.get("error"):
+                by_plant.setdefault(float(t["plant"]), []).append(t)
+        for plant, trials in sorted(by_plant.items()):
+            blocks, s_per_block = _condition_blocks(trials, [f"{p}:{m}" for p, m in gated])
+            missing = {f"{p}:{m}" for p, m in gated} - set(blocks[0] if blocks else {})
+            if missing:
+                raise SystemExit(f"--replay-only: {label} recorded no pairs of {sorted(missing)}")
+            r = replay(blocks, spec, gated, n_trials=n_trials, seed=int(plant * 1000), s_per_block=s_per_block)
+            wall = r.get("est_median_wall_s")
+            lines.append(f"| {label} | {plant:.0%} | {len(blocks)} | {r['pass'] / n_trials:.3f} | "
+                         f"{r['fail'] / n_trials:.3f} | {r['inconclusive'] / n_trials:.3f} | {r['median_blocks']:g} | "
+                         f"{'-' if wall is None else f'{wall:.0f}'} |")
+    return "\n".join(lines)
 
 
 def _commits(e: dict[str, Any]) -> str:
@@ -326,7 +404,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="override an engine setting for this study (JSON value), e.g. context_length=256 so that "
                          "five 8B servers fit on one GPU")
     ap.add_argument("--log-dir", default="perf-report/power-logs")
+    ap.add_argument("--replay-only", action="store_true",
+                    help="run no trial: replay the studies stored in --out under their recorded policy changed by "
+                         f"--set ({', '.join(REPLAYABLE)}), e.g. --set 'thresholds={{\"steady_output_throughput\": "
+                         "0.075}}', and print the error rates and verdict time it would give (--label picks one)")
     ns = ap.parse_args(argv)
+    if ns.replay_only:
+        out_path = Path(ns.out)
+        if not out_path.is_file():
+            raise SystemExit(f"--replay-only: no study at {out_path}; run python -m kimi_perf.power first or give --out")
+        overrides = {k: json.loads(v) for k, v in (kv.partition("=")[::2] for kv in ns.set)}
+        print(what_if(json.loads(out_path.read_text()), overrides, labels=[ns.label] if ns.label else [],
+                      n_trials=ns.replay_trials or 4000))
+        return 0
 
     from .engines.registry import build_engine_config
     from .load.prompts import PromptFactory

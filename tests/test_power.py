@@ -5,6 +5,7 @@ and run in ``python -m kimi_perf.power``)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from kimi_perf.power import clopper_pearson, markdown, replay, summarize
 SPEC = ABSpec(threshold=0.05, alpha=0.1, repeats_per_block=5, min_blocks=3, max_blocks=6)
 PROBES = [Probe("single_stream", None, ("decode_tok_s",)),  # type: ignore[arg-type]
           Probe("c8", None, ("output_throughput",))]  # type: ignore[arg-type]
+GATED = [("single_stream", "decode_tok_s"), ("c8", "output_throughput")]
 
 
 def _blocks(shift: float, n: int, sd: float = 0.03, seed: int = 0) -> list[dict[str, list[float]]]:
@@ -32,12 +34,12 @@ def test_clopper_pearson_is_the_exact_binomial_interval():
 
 
 def test_replay_applies_the_gates_rule_identical_code_passes_a_10pct_slowdown_fails():
-    aa = replay(_blocks(0.0, 12), SPEC, PROBES, n_trials=300)
-    slow = replay(_blocks(math.log(0.9), 12, seed=1), SPEC, PROBES, n_trials=300)
+    aa = replay(_blocks(0.0, 12), SPEC, GATED, n_trials=300)
+    slow = replay(_blocks(math.log(0.9), 12, seed=1), SPEC, GATED, n_trials=300)
     assert aa["fail"] == 0 and aa["pass"] > 250
     assert slow["fail"] == 300 and slow["mean_blocks"] == pytest.approx(3.0)
     # a change the size of the threshold cannot be decided either way: the budget runs out
-    edge = replay(_blocks(math.log(0.95), 12, seed=2), SPEC, PROBES, n_trials=300)
+    edge = replay(_blocks(math.log(0.95), 12, seed=2), SPEC, GATED, n_trials=300)
     assert edge["inconclusive"] > 150 and edge["mean_blocks"] > 5
 
 
@@ -103,3 +105,43 @@ def test_the_table_lists_superseded_studies_with_their_policy_and_verdicts():
     assert "## Superseded studies" in md
     assert ("| gpu | threshold 2.5%, blocks 4-8, launch rounds of 2 blocks in ABBA order, both sides launched together "
             "| launched by every trial | 0%: 1/0/1; 5%: 0/1/0 |") in md
+
+
+def test_a_noisy_metric_decided_at_its_own_threshold_lets_identical_code_pass():
+    rng = np.random.default_rng(3)
+    # a top probe whose pairs vary 7% (steady C=128 on one GPU) next to a quiet single-stream probe
+    blocks = [{"single_stream:decode_tok_s": list(0.01 * rng.standard_normal(3)),
+               "c8:output_throughput": list(0.07 * rng.standard_normal(3))} for _ in range(16)]
+    spec = ABSpec(threshold=0.025, alpha=0.1, repeats_per_block=3, min_blocks=4, max_blocks=8)
+    shared = replay(blocks, spec, GATED, n_trials=400)
+    own = replay(blocks, replace(spec, thresholds={"output_throughput": 0.075}), GATED, n_trials=400,
+                 s_per_block=50.0)
+    assert shared["inconclusive"] > 150 and own["pass"] > 380 and own["fail"] == 0
+    assert own["median_blocks"] == 4 and own["est_median_wall_s"] == 200.0
+
+
+def test_what_if_replays_stored_studies_under_changed_decision_knobs_only():
+    from kimi_perf.power import what_if
+
+    per = _blocks(0.0, 6, sd=0.01)
+    trial = {"plant": 0.0, "verdict": "PASS", "blocks": 6, "wall_s": 300.0, "error": None,
+             "block_log_ratios": {k: [b[k] for b in per] for k in per[0]}}
+    doc = {"machines": {"gpu-x": {"spec": {"threshold": 0.05, "alpha": 0.1, "repeats_per_block": 5, "min_blocks": 3,
+                                           "max_blocks": 6, "blocks_per_launch": 1, "old_field": 1},
+                                  "probes": [{"name": "single_stream", "gated": ["decode_tok_s"]},
+                                             {"name": "c8", "gated": ["output_throughput"]}],
+                                  "trials": [trial]}}}
+    md = what_if(doc, {"thresholds": {"output_throughput": 0.1}}, n_trials=50)
+    assert 'thresholds={"output_throughput": 0.1}' in md
+    assert "| gpu-x | 0% | 6 | 1.000 | 0.000 | 0.000 | 3 | 150 |" in md
+    only_single = what_if(doc, {"gated": {"single_stream": ["decode_tok_s"]}}, n_trials=20)
+    assert "| gpu-x | 0% | 6 | 1.000 |" in only_single
+    with pytest.raises(SystemExit, match="repeats_per_block.*cannot"):
+        what_if(doc, {"repeats_per_block": 9})
+    with pytest.raises(SystemExit, match="recorded no pairs of"):
+        what_if(doc, {"gated": {"top": ["tpot_ms_p50"]}})
+    # a metric recorded per pair but not gated when the trials ran is rebuilt from the pairs
+    trial["pairs"] = [{"block": b, "probe": "c8", "base_tpot_ms_p50": 10.0, "candidate_tpot_ms_p50": 10.0 * f}
+                      for b in range(6) for f in (1.0, 1.01, 0.99)]
+    tpot = what_if(doc, {"gated": {"top": ["tpot_ms_p50"]}}, n_trials=20)
+    assert "| gpu-x | 0% | 6 | 1.000 | 0.000 | 0.000 | 3 | 150 |" in tpot
