@@ -97,9 +97,12 @@ def _overall(verdicts: Sequence[str]) -> str:
 
 
 # every pair's figures kept in the study, gated or not: the gated ones and candidates for gating
-# (--replay-only can decide any of them), plus what explains noise (engine CPU, host steal)
+# (--replay-only can decide any of them), plus what may explain noise: engine CPU, host steal, the
+# load generator's CPU per chunk (a client near one core's worth at C=128 adds its own jitter) and
+# the length of the steady window the C=128 throughput was read from
 RECORDED = ("decode_tok_s", "output_throughput", "steady_output_throughput", "tpot_ms_p50", "ttft_ms_p50",
-            "e2el_ms_p50", "engine_cpu_ms_per_tok", "host_steal_fraction")
+            "e2el_ms_p50", "engine_cpu_ms_per_tok", "host_steal_fraction", "client_cpu_us_per_chunk",
+            "steady_window_s")
 
 
 def trial_record(out: ABOutcome, plant: float, round_: int) -> dict[str, Any]:
