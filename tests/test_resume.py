@@ -222,3 +222,28 @@ def test_training_killed_then_resumed_matches_an_uninterrupted_run(tiny_model, t
     b = torch.load(tmp_path / "whole" / "final.pt")
     for k in b:  # resuming from the checkpoint (model, optimiser, RNG, data order) changes nothing
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+
+
+def test_batched_extraction_stores_what_one_sample_per_forward_stores(tiny_model, tmp_path):
+    """extract_batch_tokens changes how features are computed (right-padded batches, length-sorted
+    within a window), not what is stored: the same samples in the same shards, rows equal to kernel
+    rounding, and the same spec digest (cached feature sets and shipped drafters stay valid)."""
+    from dataclasses import replace
+
+    from kimi_perf.eagle3.features import FeatureSpec, FeatureStore, extract_features
+
+    samples = _samples(14)  # lengths 50-63 tokens, in increasing order: reverse some to test the reordering
+    samples = samples[::2] + samples[1::2]
+    one = FeatureSpec(shard_tokens=200, dtype="float32")
+    batched = replace(one, extract_batch_tokens=190)  # 3 samples per forward: several batches, padded rows
+    assert batched.digest() == one.digest()
+    a = extract_features(samples, tiny_model, tmp_path / "one", one, model_fingerprint="tiny")
+    b = extract_features(samples, tiny_model, tmp_path / "batched", batched, model_fingerprint="tiny")
+    assert [sh["sample_ids"] for sh in a.manifest["shards"]] == [sh["sample_ids"] for sh in b.manifest["shards"]]
+    rows_a = {s.id: s for s in FeatureStore(a.root).samples()}
+    for s in FeatureStore(b.root).samples():
+        r = rows_a[s.id]
+        assert s.aux.shape == r.aux.shape and torch.equal(s.input_ids, r.input_ids)
+        torch.testing.assert_close(s.aux, r.aux, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(s.final, r.final, atol=2e-5, rtol=1e-4)
+        assert torch.equal(s.target_argmax, r.target_argmax)

@@ -98,6 +98,36 @@ class HFExtractor:
             res["final"] = out.hidden_states[-1][0]
         return res, out.logits[0].argmax(-1)
 
+    def batch(self, seqs: Sequence[Sequence[int]], layers: Sequence[Layer]) -> list[tuple[dict[Layer, Any], Any]]:
+        """What ``self(ids, layers)`` gives for each of ``seqs``, from one right-padded forward.
+
+        Right padding leaves every real token's position ids (0..len-1, transformers' default) and
+        its causal context unchanged; the attention mask only keeps padded keys out of the padded
+        rows, which are dropped. What can differ from one forward per sequence is the kernels'
+        summation order for another matrix shape: fp32 rows agree to ~1e-5
+        (tests/test_eagle3_features.py checks it), bf16 rows to bf16 rounding."""
+        torch = self.torch
+        self._want = {k for k in layers if isinstance(k, int)}
+        self._cap.clear()
+        lens = [len(s) for s in seqs]
+        width = max(lens)
+        x = torch.zeros((len(seqs), width), dtype=torch.long)
+        mask = torch.zeros_like(x)
+        for i, s in enumerate(seqs):
+            x[i, : len(s)] = torch.tensor(list(s))
+            mask[i, : len(s)] = 1
+        with torch.inference_mode():
+            out = self.model(x.to(self.device), attention_mask=mask.to(self.device),
+                             output_hidden_states="final" in layers)
+            argmax = out.logits.argmax(-1)
+        res = []
+        for i, n in enumerate(lens):
+            t: dict[Layer, Any] = {k: self._cap[k][i, :n] for k in layers if isinstance(k, int)}
+            if "final" in layers:
+                t["final"] = out.hidden_states[-1][i, :n]
+            res.append((t, argmax[i, :n]))
+        return res
+
     def hidden_states(self, ids: Sequence[int], layers: Sequence[Layer]) -> HiddenStates:
         t, _ = self(ids, layers)
         return HiddenStates({k: v.float().cpu().numpy() for k, v in t.items()}, tuple(ids),
