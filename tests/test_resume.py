@@ -232,7 +232,7 @@ def test_batched_extraction_stores_what_one_sample_per_forward_stores(tiny_model
 
     from kimi_perf.eagle3.features import FeatureSpec, FeatureStore, extract_features
 
-    samples = _samples(14)  # lengths 50-63 tokens, in increasing order: reverse some to test the reordering
+    samples = _samples(14)  # 50-63 tokens each, increasing: interleaved so the length sort reorders them
     samples = samples[::2] + samples[1::2]
     one = FeatureSpec(shard_tokens=200, dtype="float32")
     batched = replace(one, extract_batch_tokens=190)  # 3 samples per forward: several batches, padded rows

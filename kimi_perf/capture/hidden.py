@@ -105,7 +105,7 @@ class HFExtractor:
         its causal context unchanged; the attention mask only keeps padded keys out of the padded
         rows, which are dropped. What can differ from one forward per sequence is the kernels'
         summation order for another matrix shape: fp32 rows agree to ~1e-5
-        (tests/test_eagle3_features.py checks it), bf16 rows to bf16 rounding."""
+        (tests/test_resume.py checks it), bf16 rows to bf16 rounding."""
         torch = self.torch
         self._want = {k for k in layers if isinstance(k, int)}
         self._cap.clear()
