@@ -395,6 +395,20 @@ def test_launch_schedule_is_validated_and_relaunch_is_its_older_spelling():
         parse_ab({"pin_cpus": "yes"}, hardware="cpu")
 
 
+def test_parallel_launch_is_refused_for_engines_that_size_memory_from_what_is_free():
+    from kimi_perf.ab.config import parallel_launch_problem
+    from kimi_perf.engines.base import ReferenceEngineConfig
+    from kimi_perf.engines.sglang import SGLangConfig
+    from kimi_perf.engines.vllm import VLLMConfig
+
+    assert parallel_launch_problem(ReferenceEngineConfig(name="r", model_path="/m")) is None
+    assert parallel_launch_problem(VLLMConfig(name="v", model_path="/m", kv_cache_memory_bytes="8G")) is None
+    why = parallel_launch_problem(VLLMConfig(name="v", model_path="/m", gpu_memory_utilization=0.4))
+    assert why is not None and "#55827" in why and "kv_cache_memory_bytes" in why
+    why = parallel_launch_problem(SGLangConfig(name="s", model_path="/m"))
+    assert why is not None and "ab.parallel_launch false" in why
+
+
 def test_cpu_plan_gives_whole_cores_to_client_and_equal_shares_to_the_sides():
     from kimi_perf.ab.pinning import plan_cpus
 

@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ABConfigError", "ABSpec", "Variant", "describe_launches", "parse_ab", "parse_variants"]
+__all__ = ["ABConfigError", "ABSpec", "Variant", "describe_launches", "parallel_launch_problem", "parse_ab",
+           "parse_variants"]
 
 
 class ABConfigError(ValueError):
@@ -135,6 +136,28 @@ def describe_launches(blocks_per_launch: int, pin_cpus: bool = False, parallel: 
     what = ("one launch per side (base first)" if k == 0 else "fresh servers every block" if k == 1
             else f"launch rounds of {k} blocks in ABBA order")
     return what + (", both sides launched together" if parallel else "") + (", CPUs pinned" if pin_cpus else "")
+
+
+def parallel_launch_problem(cfg: Any) -> str | None:
+    """Why ``cfg``'s engine cannot start at the same time as the other side (``ab.parallel_launch``),
+    or None. Engines that size their KV cache from the GPU memory free while they start count a peer
+    that is loading at the same moment as their own use: vLLM derives its non-torch memory from
+    whole-device free-memory deltas (vllm-project/vllm#55827: two instances started together shrink
+    each other's cache or fail with "No available memory for the cache blocks") unless
+    ``kv_cache_memory_bytes`` fixes the cache (its worker then skips that profiling); SGLang's pool is
+    the memory available after loading (``mem_fraction_static``). The reference engine sizes its cache
+    from its own settings."""
+    kind = getattr(cfg, "kind", "")
+    if kind == "reference":
+        return None
+    if kind == "vllm":
+        if getattr(cfg, "kv_cache_memory_bytes", None):
+            return None
+        return (f"{cfg.name}: vLLM sizes its KV cache from the memory free while it starts, so two started together "
+                "mis-size each other (vllm-project/vllm#55827); give the vLLM engine kv_cache_memory_bytes (the "
+                "same on both sides) or set ab.parallel_launch false")
+    return (f"{getattr(cfg, 'name', kind)}: {kind or 'this engine'} sizes its memory from what is free while it "
+            "starts; launch its sides one after the other: set ab.parallel_launch false")
 
 
 _WORKLOAD_OVERRIDES = {"num_prompts", "output_len", "input_len", "warmup", "output_len_range_ratio"}

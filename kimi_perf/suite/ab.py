@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kimi_perf.ab.base import ABBase, base_engine_config
-from kimi_perf.ab.config import ABConfigError, ABSpec
+from kimi_perf.ab.config import ABConfigError, ABSpec, parallel_launch_problem
 from kimi_perf.ab.runner import ABOutcome, ABSideError, Probe, run_ab
 from kimi_perf.bench import RunningServer
 from kimi_perf.engines.base import EngineConfig
@@ -107,6 +107,9 @@ class PerfAB:
         """Run the interleaved comparison for ``engine`` and gate it; a side that fails is a test
         failure naming the side and the fix, with everything measured until then in run.json."""
         base_cfg, cand_cfg = self.configs(engine, **overrides)
+        if self.spec.parallel_launch:
+            for why in filter(None, map(parallel_launch_problem, (base_cfg, cand_cfg))):
+                raise pytest.UsageError(f"profile {self.servers.profile_name}: ab.parallel_launch: {why}")
         self.pool.stop_all()  # nothing else may share the machine with the two sides
         sides = (PoolSide("base", self.base.label, self.pool, base_cfg),
                  PoolSide("candidate", f"{engine} (this checkout)", self.pool, cand_cfg))
