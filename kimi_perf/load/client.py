@@ -143,25 +143,12 @@ async def stream_completion(
     return out
 
 
-def _payload(model: str, prompt: Sequence[int], w: Workload, max_tokens: int | None = None) -> dict[str, Any]:
+def _body(model: str, w: Workload, route_fields: dict[str, Any]) -> dict[str, Any]:
+    """A streamed request of ``w``: ``route_fields`` are what the route names its own way (the prompt
+    and its token budget); sampling, ``ignore_eos``, usage and the workload's extras are the same on both."""
     return {
         "model": model,
-        "prompt": list(prompt),
-        "max_tokens": w.output_len if max_tokens is None else max_tokens,
-        "temperature": w.temperature,
-        "ignore_eos": w.ignore_eos,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        **({"seed": w.seed} if w.temperature > 0 else {}),
-        **dict(w.extra),
-    }
-
-
-def _chat_payload(model: str, text: str, w: Workload, max_tokens: int | None = None) -> dict[str, Any]:
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": text}],
-        "max_completion_tokens": w.output_len if max_tokens is None else max_tokens,
+        **route_fields,
         "temperature": w.temperature,
         "ignore_eos": w.ignore_eos,
         "stream": True,
@@ -176,14 +163,16 @@ def request_bodies(model: str, prompts: Sequence[Sequence[int]], w: Workload, to
     """The route and one request body per prompt of ``w``, asking for ``max_tokens[i]`` tokens (default
     ``output_len`` each). ``api="chat"`` decodes the ids with ``tokenizer`` (the one the prompts were
     drawn from; ValueError without it)."""
-    lens: Sequence[int | None] = list(max_tokens) if max_tokens is not None else [None] * len(prompts)
+    lens = list(max_tokens) if max_tokens is not None else [w.output_len] * len(prompts)
     if w.api != "chat":
-        return "/v1/completions", [_payload(model, p, w, n) for p, n in zip(prompts, lens)]
+        return "/v1/completions", [_body(model, w, {"prompt": list(p), "max_tokens": n}) for p, n in zip(prompts, lens)]
     if tokenizer is None:
         raise ValueError(f"workload {w.name!r}: api chat sends text, so the client needs the tokenizer the "
                          "prompts were drawn from (run_workload(..., tokenizer=...); a PromptFactory has one)")
     texts = tokenizer.batch_decode([list(p) for p in prompts], skip_special_tokens=False)
-    return "/v1/chat/completions", [_chat_payload(model, t, w, n) for t, n in zip(texts, lens)]
+    return "/v1/chat/completions", [
+        _body(model, w, {"messages": [{"role": "user", "content": t}], "max_completion_tokens": n})
+        for t, n in zip(texts, lens)]
 
 
 HEARTBEAT_S = 10.0
