@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from .ab.config import ABSpec, describe_launches
-from .ab.decide import decide, log_ratio
+from .ab.decide import decide
 from .ab.runner import ABOutcome, ABSideError, Probe, run_ab, stop_reason
 from .ab.variance import aa_bias, pair_log_ratios, second_launch_effect, variance_components
 from .bench import RunningServer, fetch_version
@@ -174,12 +174,10 @@ def _condition_blocks(trials: Sequence[dict[str, Any]], keys: Sequence[str] = ()
         for key in keys:
             if key not in per:
                 probe, _, m = key.partition(":")
-                rows = [pr for pr in t.get("pairs", []) if pr["probe"] == probe and pr.get(f"base_{m}") is not None]
-                if not rows:
-                    continue
-                nb = max(pr["block"] for pr in rows) + 1
-                per[key] = [[log_ratio(pr[f"base_{m}"], pr[f"candidate_{m}"]) for pr in rows if pr["block"] == b]
-                            for b in range(nb)]
+                rows = pair_log_ratios([t], probe, m)
+                if rows:
+                    nb = max(r["block"] for r in rows) + 1
+                    per[key] = [[r["y"] for r in rows if r["block"] == b] for b in range(nb)]
         nb = min(len(v) for v in per.values()) if per else 0
         blocks += [{k: v[i] for k, v in per.items()} for i in range(nb)]
         if nb:
