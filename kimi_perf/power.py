@@ -385,6 +385,18 @@ def _target(profile: Any) -> tuple[str, Path, str]:
     return m.name, p, "auto"
 
 
+def _key_json(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` with a JSON value (--set, --engine-set), checked when the options are parsed."""
+    k, eq, v = text.partition("=")
+    try:
+        if not (k and eq):
+            raise ValueError
+        return k, json.loads(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give KEY=VALUE with a JSON value, e.g. blocks_per_launch=3 "
+                                         "or 'thresholds={\"steady_output_throughput\": 0.075}'") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kimi_perf.power", description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default="embedded-cpu", help="profile name or JSON path (default embedded-cpu)")
@@ -394,14 +406,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="benchmarks/gate-power.json", help="JSON to write (continued when it exists)")
     ap.add_argument("--label", default=None, help="machine label in the output (default: the hardware key)")
     ap.add_argument("--max-wall-s", type=float, default=None, help="start no trial after this many seconds")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", type=_key_json,
                     help="override an ab policy field for this study, e.g. blocks_per_launch=3 or pin_cpus=true (JSON values)")
     ap.add_argument("--replay-trials", type=int, default=4000, help="resampled trials per condition (0 = none)")
     ap.add_argument("--reuse-servers", action="store_true",
                     help="launch the base and each condition's candidate once and keep them for every trial (when "
                          "launches cost more than the trials: GPU leases); trials then share launches, so the "
                          "launch effect is not sampled, and the output says so")
-    ap.add_argument("--engine-set", action="append", default=[], metavar="KEY=VALUE",
+    ap.add_argument("--engine-set", action="append", default=[], metavar="KEY=VALUE", type=_key_json,
                     help="override an engine setting for this study (JSON value), e.g. context_length=256 so that "
                          "five 8B servers fit on one GPU")
     ap.add_argument("--log-dir", default="perf-report/power-logs")
@@ -414,8 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         out_path = Path(ns.out)
         if not out_path.is_file():
             raise SystemExit(f"--replay-only: no study at {out_path}; run python -m kimi_perf.power first or give --out")
-        overrides = {k: json.loads(v) for k, v in (kv.partition("=")[::2] for kv in ns.set)}
-        print(what_if(json.loads(out_path.read_text()), overrides, labels=[ns.label] if ns.label else [],
+        print(what_if(json.loads(out_path.read_text()), dict(ns.set), labels=[ns.label] if ns.label else [],
                       n_trials=ns.replay_trials or 4000))
         return 0
 
@@ -426,15 +437,12 @@ def main(argv: list[str] | None = None) -> int:
 
     root = Path(__file__).resolve().parents[1]
     profile = load_profile(find_profile(ns.profile, [root / "profiles", Path.cwd() / "profiles"]))
-    spec = profile.ab
-    for kv in ns.set:
-        k, _, v = kv.partition("=")
-        spec = replace(spec, **{k: json.loads(v)})
+    spec = replace(profile.ab, **dict(ns.set))
     name, model_dir, load_format = _target(profile)
     raw = profile.engines[ns.engine]
     if raw["kind"] != "reference":
         raise SystemExit(f"--engine {ns.engine}: the planted slowdown is the reference engine's; pick a reference engine")
-    over = {"load_format": load_format, **{k: json.loads(v) for k, v in (kv.partition("=")[::2] for kv in ns.engine_set)}}
+    over = {"load_format": load_format, **dict(ns.engine_set)}
     cfg = build_engine_config(ns.engine, raw, model_path=str(model_dir), served_model_name=name, overrides=over)
     tp = profile.throughput
     assert tp is not None, f"profile {profile.name} has no throughput section"
