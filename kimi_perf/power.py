@@ -242,8 +242,8 @@ def what_if(doc: dict[str, Any], overrides: dict[str, Any], *, labels: Sequence[
                          f"it can change {', '.join(REPLAYABLE)}")
     lines = [f"What-if replay of recorded blocks ({n_trials} trials per condition) with "
              + (", ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items()) or "the recorded policy"), "",
-             "| machine | planted | blocks pool | PASS | FAIL | INCONCLUSIVE | median blocks | est. median wall s |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| machine | planted | blocks pool | PASS | FAIL | INCONCLUSIVE | median blocks | mean blocks | est. median wall s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for label, e in doc.get("machines", {}).items():
         if labels and label not in labels:
             continue
@@ -267,6 +267,7 @@ def what_if(doc: dict[str, Any], overrides: dict[str, Any], *, labels: Sequence[
             wall = r.get("est_median_wall_s")
             lines.append(f"| {label} | {plant:.0%} | {len(blocks)} | {r['pass'] / n_trials:.3f} | "
                          f"{r['fail'] / n_trials:.3f} | {r['inconclusive'] / n_trials:.3f} | {r['median_blocks']:g} | "
+                         f"{r['mean_blocks']:.1f} | "
                          f"{'-' if wall is None else f'{wall:.0f}'} |")
     return "\n".join(lines)
 

@@ -133,7 +133,7 @@ def test_what_if_replays_stored_studies_under_changed_decision_knobs_only():
                                   "trials": [trial]}}}
     md = what_if(doc, {"thresholds": {"output_throughput": 0.1}}, n_trials=50)
     assert 'thresholds={"output_throughput": 0.1}' in md
-    assert "| gpu-x | 0% | 6 | 1.000 | 0.000 | 0.000 | 3 | 150 |" in md
+    assert "| gpu-x | 0% | 6 | 1.000 | 0.000 | 0.000 | 3 | 3.0 | 150 |" in md
     only_single = what_if(doc, {"gated": {"single_stream": ["decode_tok_s"]}}, n_trials=20)
     assert "| gpu-x | 0% | 6 | 1.000 |" in only_single
     with pytest.raises(SystemExit, match="repeats_per_block.*cannot"):
@@ -144,4 +144,4 @@ def test_what_if_replays_stored_studies_under_changed_decision_knobs_only():
     trial["pairs"] = [{"block": b, "probe": "c8", "base_tpot_ms_p50": 10.0, "candidate_tpot_ms_p50": 10.0 * f}
                       for b in range(6) for f in (1.0, 1.01, 0.99)]
     tpot = what_if(doc, {"gated": {"top": ["tpot_ms_p50"]}}, n_trials=20)
-    assert "| gpu-x | 0% | 6 | 1.000 | 0.000 | 0.000 | 3 | 150 |" in tpot
+    assert "| gpu-x | 0% | 6 | 1.000 | 0.000 | 0.000 | 3 | 3.0 | 150 |" in tpot
