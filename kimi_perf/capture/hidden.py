@@ -86,17 +86,9 @@ class HFExtractor:
         return self.model.model.norm.weight.detach().float().cpu().numpy()
 
     def __call__(self, ids: Sequence[int], layers: Sequence[Layer]) -> tuple[dict[Layer, Any], Any]:
-        """Torch tensors per layer ([T, H], model dtype) and the logits' argmax [T]."""
-        torch = self.torch
-        self._want = {k for k in layers if isinstance(k, int)}
-        self._cap.clear()
-        with torch.inference_mode():
-            x = torch.tensor([list(ids)], device=self.device)
-            out = self.model(x, attention_mask=torch.ones_like(x), output_hidden_states="final" in layers)
-        res: dict[Layer, Any] = {k: self._cap[k][0] for k in layers if isinstance(k, int)}
-        if "final" in layers:
-            res["final"] = out.hidden_states[-1][0]
-        return res, out.logits[0].argmax(-1)
+        """Torch tensors per layer ([T, H], model dtype) and the logits' argmax [T]: a batch of one
+        (no padding, so the same forward as before batches existed)."""
+        return self.batch([ids], layers)[0]
 
     def batch(self, seqs: Sequence[Sequence[int]], layers: Sequence[Layer]) -> list[tuple[dict[Layer, Any], Any]]:
         """What ``self(ids, layers)`` gives for each of ``seqs``, from one right-padded forward.

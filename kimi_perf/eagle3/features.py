@@ -100,8 +100,7 @@ class _HFBackend:
         self.version = self.x.version
 
     def __call__(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        t, argmax = self.x(ids, [*self.layers, "final"])
-        return torch.cat([t[k] for k in self.layers], dim=-1), t["final"], argmax
+        return self.batch([ids])[0]
 
     def batch(self, seqs: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         return [(torch.cat([t[k] for k in self.layers], dim=-1), t["final"], am)
