@@ -142,7 +142,7 @@ def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
             f"repeats {s.repeats}, hardware {s.hardware}, baselines {s.store.path.name} ({base})"
             + (", UPDATING baselines" if s.update else "")] + (
         [f"kimi-perf A/B: candidate = this checkout, base = {s.ab.label}; threshold {s.profile.ab.describe_thresholds()}, "
-         f"blocks {s.profile.ab.min_blocks}-{s.profile.ab.max_blocks} x {s.profile.ab.repeats_per_block} pairs"
+         f"blocks {s.profile.ab.min_blocks}-{s.profile.ab.max_blocks} x {s.profile.ab.describe_repeats()}"
          + f", {s.profile.ab.launch_schedule}"] if s.ab else [])
 
 

@@ -105,6 +105,7 @@ AB = {
                   "(choose from a power study: python -m kimi_perf.power --replay-only)",
     "alpha": "family-wise error: each of m gated metrics gets a 1 - alpha/m interval",
     "repeats_per_block": "pairs per block, in ABBA order (odd: the block summary is their median)",
+    "repeats": "probe (single_stream, top) -> its own pairs per block (a cheap noisy probe can take more)",
     "min_blocks": "blocks before a verdict may be reached",
     "max_blocks": "block budget; then INCONCLUSIVE",
     "blocks_per_launch": "blocks sharing one launch of each side: 1 every block, k >= 2 ABBA launch rounds, 0 once",
@@ -119,6 +120,7 @@ AB = {
     "pin_cpus": "pin each side's server and the client to disjoint cores",
     "client_cpus": "CPUs given to the client when pinning",
     "parallel_launch": "start both sides' servers at once and warm them up after (launches of tens of seconds)",
+    "retire_decided": "stop measuring a probe once all its gated metrics PASSED (its verdicts stand)",
     "relaunch": "older spelling of blocks_per_launch: true = 1, false = 0",
 }
 

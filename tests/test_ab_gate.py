@@ -485,3 +485,56 @@ def test_parallel_launch_rounds_measure_like_sequential_ones_and_a_failed_side_s
         run_ab(FakeSide("base", tmp_path, fail=True), cand2, _probes(), spec, _prompts)
     assert ei.value.role == "base" and "server did not start" in str(ei.value)
     assert cand2.launches == 1 and cand2.proc is None  # it had started: stopped, not left running
+
+
+def test_pairs_per_probe_and_a_probe_retired_once_its_metrics_passed(tmp_path, monkeypatch):
+    """ab.repeats gives each probe its own pairs per block; ab.retire_decided stops measuring a probe
+    (its warm-up included) once every metric it gates PASSED at a decision point, and its verdict
+    stands. Decisions are scripted so the schedule, not the noise, is what is tested."""
+    from kimi_perf.ab import runner
+    from kimi_perf.ab.decide import ABDecision
+
+    def scripted(out, family, *, final):
+        blocks = {p.probe: p.block + 1 for p in out.pairs}
+        top_ok = out.blocks >= 4
+        return [ABDecision("decode_tok_s", "tok/s", "higher", "single_stream", "PASS", 1, 1, 1, 1, 1, 0.95, 0.05,
+                           3, blocks.get("single_stream", 0), "scripted"),
+                ABDecision("output_throughput", "tok/s", "higher", "c2", "PASS" if top_ok else "INCONCLUSIVE", 1, 1,
+                           1, 1, 1, 0.95, 0.05, 3, blocks.get("c2", 0), "scripted")]
+
+    monkeypatch.setattr(runner, "_decide_all", scripted)
+    w = _probes()[0].workload
+    probes = [runner.Probe("single_stream", w, ("decode_tok_s",)),
+              runner.Probe("c2", dataclasses.replace(w, concurrency=2), ("output_throughput",))]
+    warmed: list = []
+    real_measure = runner.measure_repeat
+
+    def measure(server, workload, prompts, *, label="", max_error_rate=0.02):
+        if "warm-up" in label:
+            warmed.append(label)
+        return real_measure(server, workload, prompts, label=label, max_error_rate=max_error_rate)
+
+    monkeypatch.setattr(runner, "measure_repeat", measure)
+    spec = ABSpec(min_blocks=2, max_blocks=6, repeats_per_block=1, repeats={"top": 2}, blocks_per_launch=1,
+                  retire_decided=True)
+    assert "a probe stops once its metrics PASS" in spec.launch_schedule
+    out = runner.run_ab(FakeSide("base", tmp_path), FakeSide("candidate", tmp_path), probes, spec, _prompts)
+    per_block = [(p.block, p.probe) for p in out.pairs]
+    assert per_block == [(0, "single_stream"), (0, "c2"), (0, "c2"), (1, "single_stream"), (1, "c2"), (1, "c2"),
+                         (2, "c2"), (2, "c2"), (3, "c2"), (3, "c2")]
+    assert out.retired == {"single_stream": 2} and out.blocks == 4 and out.stopped == "every gated metric decided"
+    # blocks 1-2 warmed up both probes on both sides, blocks 3-4 only c2
+    assert len(warmed) == 8 + 4 and not any("single_stream" in x for x in warmed[8:])
+    assert out.to_json()["retired"] == {"single_stream": 2}
+
+
+def test_pairs_per_probe_are_validated():
+    assert parse_ab({"repeats": {"top": 1}}, hardware="cuda").repeats_for("c128") == 1
+    assert parse_ab({"repeats": {"top": 1}}, hardware="cuda").repeats_for("single_stream") == 3
+    assert parse_ab({"repeats": {"top": 1}}, hardware="cuda").describe_repeats() == "3 pairs (top 1)"
+    with pytest.raises(ABConfigError, match='probe "single_stream" or "top"'):
+        parse_ab({"repeats": {"c128": 1}}, hardware="cuda")
+    with pytest.raises(ABConfigError, match="must map a probe"):
+        parse_ab({"repeats": 2}, hardware="cuda")
+    with pytest.raises(ABConfigError, match="retire_decided"):
+        parse_ab({"retire_decided": "yes"}, hardware="cuda")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["ABConfigError", "ABSpec", "Variant", "describe_launches", "parallel_launch_problem", "parse_ab",
-           "parse_variants"]
+           "parse_variants", "probe_role"]
 
 
 class ABConfigError(ValueError):
@@ -36,6 +36,10 @@ class ABSpec:
     thresholds: Mapping[str, float] = field(default_factory=dict)
     alpha: float = 0.05  # family-wise: each of m gated metrics gets a 1 - alpha/m interval
     repeats_per_block: int = 3  # pairs per block, in ABBA order (odd: the block summary is their median)
+    # per-probe overrides of repeats_per_block ("single_stream", "top"): a cheap probe whose pairs are
+    # noisy can take more pairs per block than an expensive one (a C=128 pair costs ~6x a single-stream
+    # pair on one GPU), chosen from a replay (python -m kimi_perf.power --replay-only --set repeats=...)
+    repeats: Mapping[str, int] = field(default_factory=dict)
     min_blocks: int = 3
     max_blocks: int = 8
     # blocks that share one launch of each side: 1 = fresh servers every block (the launch effect is
@@ -65,11 +69,26 @@ class ABSpec:
     # up after both are ready: an 8B launch on the H200 takes 15-30 s, and launched one after the other
     # the four launches of a two-round comparison were ~40% of its wall time (docs/ab-gate.md)
     parallel_launch: bool = False
+    # stop measuring a probe once every metric it gates has PASSED at a decision point (its verdicts
+    # stand, as a FAIL already ends the comparison at its first crossing). On one GPU the C=128 repeat
+    # is ~85% of a block while single-stream decode is the metric that needs the most blocks, so the
+    # blocks after C=128 is decided cost a fraction of the first ones (docs/ab-gate.md)
+    retire_decided: bool = False
 
     @property
     def launch_schedule(self) -> str:
-        """The launch schedule in words, for reports."""
-        return describe_launches(self.blocks_per_launch, self.pin_cpus, self.parallel_launch)
+        """The launch schedule in words, for reports (and whether decided probes are retired)."""
+        return (describe_launches(self.blocks_per_launch, self.pin_cpus, self.parallel_launch)
+                + (", a probe stops once its metrics PASS" if self.retire_decided else ""))
+
+    def repeats_for(self, probe: str) -> int:
+        """Pairs per block of ``probe`` (a probe name, "single_stream" or "c128", or its role "top")."""
+        return int(self.repeats.get(probe_role(probe), self.repeats_per_block))
+
+    def describe_repeats(self) -> str:
+        """``3 pairs`` or ``3 pairs (single_stream 3, top 1)``, for headers and reports."""
+        extra = ", ".join(f"{p} {n}" for p, n in sorted(self.repeats.items()))
+        return f"{self.repeats_per_block} pairs" + (f" ({extra})" if extra else "")
 
     def threshold_for(self, metric: str) -> float:
         """The regression threshold ``metric`` is decided at."""
@@ -108,6 +127,11 @@ class ABSpec:
             problems.append(f"alpha {self.alpha} (in (0, 1), e.g. 0.05)")
         if self.repeats_per_block < 1:
             problems.append(f"repeats_per_block {self.repeats_per_block} (>= 1)")
+        bad_r = {k: v for k, v in self.repeats.items()
+                 if k not in ("single_stream", "top") or isinstance(v, bool) or not isinstance(v, int) or v < 1}
+        if bad_r:
+            problems.append(f"repeats {bad_r} (probe \"single_stream\" or \"top\" -> pairs per block >= 1, "
+                            'e.g. {"single_stream": 3, "top": 1})')
         if not 2 <= self.min_blocks <= self.max_blocks:
             problems.append(f"min_blocks {self.min_blocks} / max_blocks {self.max_blocks} (2 <= min <= max)")
         if not 0 < self.max_steal <= 1:
@@ -128,6 +152,11 @@ class ABSpec:
             problems.append(f"accept_prompts {self.accept_prompts} (>= 2)")
         if problems:
             raise ABConfigError("invalid " + "; ".join(problems))
+
+
+def probe_role(probe: str) -> str:
+    """The role of an A/B probe by name: "single_stream", else the top-concurrency probe ("top")."""
+    return "single_stream" if probe == "single_stream" else "top"
 
 
 def describe_launches(blocks_per_launch: int, pin_cpus: bool = False, parallel: bool = False) -> str:
@@ -184,6 +213,11 @@ def parse_ab(raw: Mapping[str, Any] | None, *, hardware: str) -> ABSpec:
             raise ABConfigError(f"gated: {g!r} must map probe (single_stream, top) to a list of metric names, "
                                 'e.g. {"single_stream": ["decode_tok_s"], "top": ["output_throughput"]}')
         raw["gated"] = {k: tuple(v) for k, v in g.items()}
+    if "repeats" in raw:
+        if not isinstance(raw["repeats"], Mapping):
+            raise ABConfigError(f"repeats: {raw['repeats']!r} must map a probe (single_stream, top) to pairs per block, "
+                                'e.g. {"single_stream": 3, "top": 1}')
+        raw["repeats"] = dict(raw["repeats"])
     if "thresholds" in raw:
         from ..metrics import METRICS
 
@@ -209,7 +243,7 @@ def parse_ab(raw: Mapping[str, Any] | None, *, hardware: str) -> ABSpec:
               "blocks_per_launch", "client_cpus"):
         if k in raw and raw[k] is not None and (isinstance(raw[k], bool) or not isinstance(raw[k], int)):
             raise ABConfigError(f"{k}: {raw[k]!r} must be an integer")
-    for k in ("pin_cpus", "parallel_launch"):
+    for k in ("pin_cpus", "parallel_launch", "retire_decided"):
         if k in raw and not isinstance(raw[k], bool):
             raise ABConfigError(f"{k}: {raw[k]!r} must be true or false")
     try:

@@ -12,6 +12,10 @@ second read ~1% faster on identical code, and a schedule where the base always l
 that into a bias of the verdict. With launch rounds of several blocks the comparison stops only after
 whole ABBA launch cycles (:meth:`ABSpec.balanced`), so the order effect cancels in the estimate.
 
+With ``ab.retire_decided`` a probe whose gated metrics have all PASSED at a decision point is not
+measured any more (:func:`_retire`): on one GPU the C=128 repeat is most of a block's time, and the
+blocks that single-stream decode still needs then cost a fraction of the first ones.
+
 With ``ab.pin_cpus`` each side's server and the client run on disjoint CPU sets
 (:mod:`kimi_perf.ab.pinning`), recorded with the launches.
 
@@ -100,6 +104,7 @@ class ABOutcome:
     stopped: str = ""
     error: str | None = None
     cpus: dict[str, Any] = field(default_factory=dict)  # the CPU plan (pinning) or why there is none
+    retired: dict[str, int] = field(default_factory=dict)  # probe -> blocks it ran (ab.retire_decided)
 
     @property
     def verdicts(self) -> dict[str, str]:
@@ -123,6 +128,7 @@ class ABOutcome:
             "pairs": [asdict(p) for p in self.pairs], "decisions": [asdict(d) for d in self.decisions],
             "launches": self.launches, "versions": self.versions, "blocks": self.blocks,
             "wall_s": self.wall_s, "stopped": self.stopped, "error": self.error, "cpus": self.cpus,
+            "retired": self.retired,
         }
 
 
@@ -233,9 +239,12 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
         for role in roles:
             warm_up(role, block)
 
+    def active() -> list[Probe]:
+        return [p for p in probes if p.name not in out.retired]
+
     def warm_up(role: str, block: int) -> None:
         srv = running[role]
-        for p in probes:  # first-use costs (allocator growth, kernel selection) stay out of the pairs
+        for p in active():  # first-use costs (allocator growth, kernel selection) stay out of the pairs
             # one full batch of short requests: the probe's prefill and decode shapes, a few seconds
             warm_w = replace(p.workload, num_prompts=p.workload.concurrency, output_len=min(8, p.workload.output_len))
             try:
@@ -267,9 +276,9 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
                 # alternate which side launches first, round by round (ABBA over launches)
                 launch_round(("base", "candidate") if rnd % 2 == 0 else ("candidate", "base"), b)
             redo_left = spec.max_redo
-            for i in range(spec.repeats_per_block):
+            for i in range(max(spec.repeats_for(p.name) for p in probes)):
                 first, second = order if i % 2 == 0 else order[::-1]
-                for probe in probes:
+                for probe in (p for p in active() if i < spec.repeats_for(p.name)):
                     prompts = prompts_for(probe.workload, pair_serial)
                     redone = 0
                     while True:
@@ -284,7 +293,7 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
                             f"{spec.max_steal:.0%} (ab.max_steal): measuring the pair again")
                     out.pairs.append(PairRecord(b, i, probe.name, first, r["base"], r["candidate"], redone, rnd))
                     pair_serial += 1
-                    log(f"A/B block {b + 1}/{spec.max_blocks} pair {i + 1}/{spec.repeats_per_block} {probe.name}: "
+                    log(f"A/B block {b + 1}/{spec.max_blocks} pair {i + 1}/{spec.repeats_for(probe.name)} {probe.name}: "
                         + ", ".join(f"{m} base {r['base'].get(m, float('nan')):.4g} candidate "
                                     f"{r['candidate'].get(m, float('nan')):.4g}" for m in probe.gated)
                         + f" ({time.monotonic() - t0:.0f}s)")
@@ -302,6 +311,8 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
                                       time_spent=b + 1 < spec.max_blocks)
             if out.stopped:
                 break
+            if spec.retire_decided:
+                _retire(out, b + 1)
         if out.stopped and out.decisions and not any(d.verdict == "FAIL" for d in out.decisions):
             out.decisions = _decide_all(out, family, final=True)
     finally:
@@ -445,6 +456,23 @@ def stop_reason(decisions: Sequence[ABDecision], blocks: int, spec: ABSpec, *, f
     if final:
         return "time budget (ab.time_budget_s) spent" if time_spent else "block budget (ab.max_blocks) spent"
     return ""
+
+
+def _retire(out: ABOutcome, blocks: int) -> None:
+    """``ab.retire_decided``: after a decision point, stop measuring every probe whose gated metrics
+    have all PASSED. Its pairs stop growing, so each later look recomputes the same interval and the
+    same PASS: the verdict stands from its first crossing, as a FAIL's does. The probe's noise is
+    gone from later blocks, so nothing else changes for the probes still measured but their
+    neighbours in time."""
+    s = out.spec
+    if blocks < s.min_blocks or not s.balanced(blocks):
+        return
+    for p in out.probes:
+        ds = [d for d in out.decisions if d.probe == p.name]
+        if p.name not in out.retired and ds and all(d.verdict == "PASS" for d in ds):
+            out.retired[p.name] = blocks
+            log(f"A/B {p.name}: every gated metric PASSED after {blocks} blocks; not measured any more "
+                "(ab.retire_decided)")
 
 
 def _decide_all(out: ABOutcome, family: int, *, final: bool) -> list[ABDecision]:
