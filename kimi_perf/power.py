@@ -14,10 +14,9 @@ machine hits every condition alike. Each trial is written to the output as soon 
 rerun with the same configuration continues where the last one stopped (a study runs for hours).
 
 Direct trials are expensive (minutes each), so their rates come with wide exact (Clopper-Pearson)
-intervals. The report adds a *replay* estimate: the recorded blocks of each condition are resampled
-with replacement into many sequential trials decided by the same rule (:func:`decide`,
-:func:`stop_reason`), a block bootstrap that keeps each block's real pairs (launch effect included)
-but not correlations longer than a block. Both are in ``benchmarks/gate-power.json`` with the
+intervals. The report adds a *replay* estimate (:mod:`kimi_perf.ab.replay`): the recorded blocks of
+each condition are resampled with replacement into many sequential trials decided by the same rule,
+with verdict times from the study's own timing. Both are in ``benchmarks/gate-power.json`` with the
 machine they ran on.
 """
 
@@ -36,17 +35,16 @@ from typing import Any
 import numpy as np
 
 from .ab.config import ABSpec, describe_launches
-from .ab.decide import decide
-from .ab.runner import ABOutcome, ABSideError, Probe, run_ab, stop_reason
+from .ab.replay import fit_timing, overall, recorded_rounds, redesign_problem, replay
+from .ab.runner import ABOutcome, ABSideError, Probe, run_ab
 from .ab.variance import aa_bias, pair_log_ratios, second_launch_effect, variance_components
 from .bench import RunningServer, fetch_version
 from .engines.reference import PLANT_ENV
-from .metrics import METRICS
 from .progress import log
 
 __all__ = ["ProcessSide", "clopper_pearson", "replay", "study_entry", "summarize"]
 
-TARGETS = {"cpu": {"false_fail_max": 0.01, "detect": {"0.1": 0.95}, "verdict_s_max": 600},
+TARGETS: dict[str, dict[str, Any]] = {"cpu": {"false_fail_max": 0.01, "detect": {"0.1": 0.95}, "verdict_s_max": 600},
            "cuda": {"false_fail_max": 0.01, "detect": {"0.05": 0.95}, "verdict_s_max": 300}}
 
 
@@ -88,27 +86,20 @@ def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
     return lo, hi
 
 
-def _overall(verdicts: Sequence[str]) -> str:
-    if any(v == "FAIL" for v in verdicts):
-        return "FAIL"
-    if verdicts and all(v == "PASS" for v in verdicts):
-        return "PASS"
-    return "INCONCLUSIVE"
-
-
 # every pair's figures kept in the study, gated or not: the gated ones and candidates for gating
 # (--replay-only can decide any of them), plus what may explain noise: engine CPU, host steal, the
 # load generator's CPU per chunk (a client near one core's worth at C=128 adds its own jitter) and
-# the length of the steady window the C=128 throughput was read from
+# the length of the steady window the C=128 throughput was read from; and each repeat's duration, which
+# times a replayed policy (kimi_perf.ab.replay.fit_timing)
 RECORDED = ("decode_tok_s", "output_throughput", "steady_output_throughput", "tpot_ms_p50", "ttft_ms_p50",
             "e2el_ms_p50", "engine_cpu_ms_per_tok", "host_steal_fraction", "client_cpu_us_per_chunk",
-            "steady_window_s")
+            "steady_window_s", "duration_s")
 
 
 def trial_record(out: ABOutcome, plant: float, round_: int) -> dict[str, Any]:
     gated = [(p.name, m) for p in out.probes for m in p.gated]
     return {
-        "plant": plant, "round": round_, "verdict": _overall([d.verdict for d in out.decisions]),
+        "plant": plant, "round": round_, "verdict": overall([d.verdict for d in out.decisions]),
         "decisions": [{"probe": d.probe, "metric": d.metric, "verdict": d.verdict, "ratio": d.ratio,
                        "lo": d.ratio_lo, "hi": d.ratio_hi, "pairs": d.n_pairs} for d in out.decisions],
         "blocks": out.blocks, "wall_s": out.wall_s, "stopped": out.stopped, "error": out.error,
@@ -123,66 +114,11 @@ def trial_record(out: ABOutcome, plant: float, round_: int) -> dict[str, Any]:
                   for pr in out.pairs],
         "launch_order": [[x["role"], x.get("round", 0)] for x in out.launches],
         "cpus": out.cpus,
+        "retired": out.retired,  # probe -> the blocks it ran before its metrics PASSED (ab.retire_decided)
         "steal_max": max((v for pr in out.pairs for v in (pr.base.get("host_steal_fraction", 0.0),
                                                           pr.candidate.get("host_steal_fraction", 0.0))
                           if math.isfinite(v)), default=None),
     }
-
-
-def replay(blocks: Sequence[dict[str, list[float]]], spec: ABSpec, gated: Sequence[tuple[str, str]], *,
-           n_trials: int, seed: int = 0, s_per_block: float | None = None) -> dict[str, Any]:
-    """Sequential trials decided by the gate's own rule on blocks drawn with replacement from
-    ``blocks`` (each a mapping "probe:metric" -> that block's pair log ratios); ``gated`` lists the
-    (probe, metric) pairs decided. With ``s_per_block`` (the study's measured wall time per block,
-    launches included) the median verdict time is estimated too."""
-    rng = np.random.default_rng(seed)
-    family = len(gated)
-    counts = {"PASS": 0, "FAIL": 0, "INCONCLUSIVE": 0}
-    used = []
-    for _ in range(n_trials):
-        chosen: list[dict[str, list[float]]] = []
-        verdict = "INCONCLUSIVE"
-        for b in range(spec.max_blocks):
-            chosen.append(blocks[int(rng.integers(len(blocks)))])
-            final = b + 1 >= spec.max_blocks
-            ds = [decide(METRICS[m], p, [c[f"{p}:{m}"] for c in chosen], [], [], threshold=spec.threshold_for(m),
-                         alpha=spec.alpha, family=family, min_blocks=spec.min_blocks, final=final)
-                  for p, m in gated]
-            if stop_reason(ds, b + 1, spec, final=final):
-                verdict = _overall([d.verdict for d in ds])
-                break
-        counts[verdict] += 1
-        used.append(len(chosen))
-    out: dict[str, Any] = {"trials": n_trials, "blocks_pool": len(blocks),
-                           **{k.lower(): v for k, v in counts.items()},
-                           "mean_blocks": float(np.mean(used)) if used else None,
-                           "median_blocks": float(np.median(used)) if used else None}
-    if s_per_block and used:
-        out["est_median_wall_s"] = float(np.median(used)) * s_per_block
-    return out
-
-
-def _condition_blocks(trials: Sequence[dict[str, Any]], keys: Sequence[str] = ()
-                      ) -> tuple[list[dict[str, list[float]]], float | None]:
-    """The recorded blocks of a condition's trials, and their median wall time per block. ``keys``
-    ("probe:metric") not gated when the trial ran are rebuilt from its recorded pairs, so a replay can
-    ask what gating another recorded metric would have given."""
-    blocks: list[dict[str, list[float]]] = []
-    per_block = []
-    for t in trials:
-        per = dict(t["block_log_ratios"])
-        for key in keys:
-            if key not in per:
-                probe, _, m = key.partition(":")
-                rows = pair_log_ratios([t], probe, m)
-                if rows:
-                    nb = max(r["block"] for r in rows) + 1
-                    per[key] = [[r["y"] for r in rows if r["block"] == b] for b in range(nb)]
-        nb = min(len(v) for v in per.values()) if per else 0
-        blocks += [{k: v[i] for k, v in per.items()} for i in range(nb)]
-        if nb:
-            per_block.append(t["wall_s"] / nb)
-    return blocks, (float(np.median(per_block)) if per_block else None)
 
 
 def summarize(entry: dict[str, Any], spec: ABSpec, probes: Sequence[Probe], *, replay_trials: int) -> dict[str, Any]:
@@ -199,7 +135,8 @@ def summarize(entry: dict[str, Any], spec: ABSpec, probes: Sequence[Probe], *, r
         k_inc = sum(t["verdict"] == "INCONCLUSIVE" for t in ok)
         walls = {v: float(np.median([t["wall_s"] for t in ok if t["verdict"] == v]))
                  for v in ("PASS", "FAIL", "INCONCLUSIVE") if any(t["verdict"] == v for t in ok)}
-        blocks, s_per_block = _condition_blocks(ok)
+        gated = [(p.name, m) for p in probes for m in p.gated]
+        rounds = recorded_rounds(ok, [f"{p}:{m}" for p, m in gated], spec.blocks_per_launch)
         c: dict[str, Any] = {
             "trials": n, "errors": len(trials) - n, "fail": k_fail, "inconclusive": k_inc,
             "pass": n - k_fail - k_inc, "fail_rate": k_fail / n if n else None,
@@ -215,9 +152,9 @@ def summarize(entry: dict[str, Any], spec: ABSpec, probes: Sequence[Probe], *, r
                 if float(plant) == 0:  # identical code: what it measures as a change is bias
                     noise[f"{p.name}:{m}"].update(aa_bias=aa_bias(rows), second_launch=second_launch_effect(rows))
         c["noise"] = noise
-        if blocks and replay_trials:
-            r = replay(blocks, spec, [(p.name, m) for p in probes for m in p.gated], n_trials=replay_trials,
-                       seed=int(float(plant) * 1000), s_per_block=s_per_block)
+        if rounds and replay_trials:
+            r = replay(rounds, spec, gated, n_trials=replay_trials, seed=int(float(plant) * 1000),
+                       timing=fit_timing(ok, entry.get("probes", []), spec), target_s=float(targets["verdict_s_max"]))
             r["fail_rate"] = r["fail"] / r["trials"]
             r["fail_rate_ci95"] = clopper_pearson(r["fail"], r["trials"])
             r["inconclusive_rate"] = r["inconclusive"] / r["trials"]
@@ -226,9 +163,19 @@ def summarize(entry: dict[str, Any], spec: ABSpec, probes: Sequence[Probe], *, r
     return out
 
 
-# decision knobs a replay can change: the blocks were measured with the stored probes, pairs per block
-# and launch schedule, so only how they are decided (and how many are drawn) can be asked "what if"
-REPLAYABLE = ("threshold", "thresholds", "alpha", "min_blocks", "max_blocks", "gated")
+# knobs a replay can change: how recorded pairs are decided, and how they are cut into blocks and launch
+# rounds (within the pairs a recorded block holds: kimi_perf.ab.replay.redesign_problem); what a pair
+# is (its workload, the launch mode, pinning) needs direct trials
+REPLAYABLE = ("threshold", "thresholds", "alpha", "min_blocks", "max_blocks", "time_budget_s", "gated", "retire_decided",
+              "repeats_per_block", "repeats", "blocks_per_launch")
+
+
+def recorded_spec(entry: dict[str, Any]) -> ABSpec:
+    """The A/B policy a stored study ran under (entries before launch rounds say ``relaunch``)."""
+    stored = {k: v for k, v in entry["spec"].items() if k in ABSpec.__dataclass_fields__}
+    if "relaunch" in entry["spec"] and "blocks_per_launch" not in stored:
+        stored["blocks_per_launch"] = 1 if entry["spec"]["relaunch"] else 0
+    return ABSpec(**stored)
 
 
 def what_if(doc: dict[str, Any], overrides: dict[str, Any], *, labels: Sequence[str] = (),
@@ -242,13 +189,16 @@ def what_if(doc: dict[str, Any], overrides: dict[str, Any], *, labels: Sequence[
                          f"it can change {', '.join(REPLAYABLE)}")
     lines = [f"What-if replay of recorded blocks ({n_trials} trials per condition) with "
              + (", ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items()) or "the recorded policy"), "",
-             "| machine | planted | blocks pool | PASS | FAIL | INCONCLUSIVE | median blocks | mean blocks | est. median wall s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| machine | planted | launch rounds | PASS | FAIL | INCONCLUSIVE | median blocks | mean blocks | "
+             "est. wall s median / mean | within target |", "|---|---|---|---|---|---|---|---|---|---|"]
     for label, e in doc.get("machines", {}).items():
         if labels and label not in labels:
             continue
-        stored = {k: v for k, v in e["spec"].items() if k in ABSpec.__dataclass_fields__}
-        spec = ABSpec(**{**stored, **overrides})
+        was = recorded_spec(e)
+        try:
+            spec = replace(was, **overrides)
+        except ValueError as err:
+            raise SystemExit(f"--replay-only: {label}: {err}") from None
         gated = [(p["name"], m) for p in e["probes"] for m in p["gated"]]
         if "gated" in overrides:  # probe roles (single_stream / top) -> the recorded probe names
             names = {"single_stream": "single_stream", "top": next((p["name"] for p in e["probes"]
@@ -258,17 +208,23 @@ def what_if(doc: dict[str, Any], overrides: dict[str, Any], *, labels: Sequence[
         for t in e["trials"]:
             if not t.get("error"):
                 by_plant.setdefault(float(t["plant"]), []).append(t)
+        target = float(TARGETS.get(e.get("hardware_class", "cpu"), TARGETS["cpu"])["verdict_s_max"])
         for plant, trials in sorted(by_plant.items()):
-            blocks, s_per_block = _condition_blocks(trials, [f"{p}:{m}" for p, m in gated])
-            missing = {f"{p}:{m}" for p, m in gated} - set(blocks[0] if blocks else {})
-            if missing:
-                raise SystemExit(f"--replay-only: {label} recorded no pairs of {sorted(missing)}")
-            r = replay(blocks, spec, gated, n_trials=n_trials, seed=int(plant * 1000), s_per_block=s_per_block)
-            wall = r.get("est_median_wall_s")
-            lines.append(f"| {label} | {plant:.0%} | {len(blocks)} | {r['pass'] / n_trials:.3f} | "
+            rounds = recorded_rounds(trials, [f"{p}:{m}" for p, m in gated], was.blocks_per_launch)
+            if not rounds:
+                raise SystemExit(f"--replay-only: {label} recorded no pairs of {[f'{p}:{m}' for p, m in gated]}")
+            why = redesign_problem(rounds, spec, [p for p, _ in gated])
+            if why:  # another machine's study may still answer: say why this one cannot, in its row
+                lines.append(f"| {label} | {plant:.0%} | {len(rounds)} | not replayable: {why}; a replay cannot "
+                             "measure new pairs |")
+                continue
+            r = replay(rounds, spec, gated, n_trials=n_trials, seed=int(plant * 1000), target_s=target,
+                       timing=fit_timing(trials, e.get("probes", []), was))
+            wall = (f"{r['est_median_wall_s']:.0f} / {r['est_mean_wall_s']:.0f}" if "est_median_wall_s" in r else "-")
+            within = f"{r['within_target']:.3f} (<= {target:.0f} s)" if "within_target" in r else "-"
+            lines.append(f"| {label} | {plant:.0%} | {len(rounds)} | {r['pass'] / n_trials:.3f} | "
                          f"{r['fail'] / n_trials:.3f} | {r['inconclusive'] / n_trials:.3f} | {r['median_blocks']:g} | "
-                         f"{r['mean_blocks']:.1f} | "
-                         f"{'-' if wall is None else f'{wall:.0f}'} |")
+                         f"{r['mean_blocks']:.1f} | {wall} | {within} |")
     return "\n".join(lines)
 
 
@@ -302,7 +258,7 @@ def markdown(doc: dict[str, Any]) -> str:
             lines.append(
                 f"| {float(plant):.0%} | {c['trials']} | {c['fail']}/{c['trials']} [{lo:.2f}, {hi:.2f}] | "
                 f"{c['inconclusive']}/{c['trials']} | {c['median_wall_s'] or 0:.0f} | "
-                + (f"{rp['fail_rate']:.3f} ({rp['trials']} from {rp['blocks_pool']} blocks) | "
+                + (f"{rp['fail_rate']:.3f} ({rp['trials']} from {_pool(rp)}) | "
                    f"{rp['inconclusive_rate']:.3f} |" if rp else "- | - |"))
         lines.append("")
         lines += _noise_lines(s.get("conditions", {}))
@@ -320,6 +276,11 @@ def markdown(doc: dict[str, Any]) -> str:
                          f"{_launches(sp)} | {e.get('servers', '?')} | {per} |")
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def _pool(rp: dict[str, Any]) -> str:
+    """What a stored replay drew from (summaries written before launch-round replays drew blocks)."""
+    return f"{rp['rounds_pool']} launch rounds" if "rounds_pool" in rp else f"{rp.get('blocks_pool')} blocks"
 
 
 def _launches(spec: dict[str, Any]) -> str:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kimi_perf.ab.config import ABSpec
+from kimi_perf.ab.replay import Round, Timing, fit_timing, recorded_rounds, redesign_problem
 from kimi_perf.ab.runner import Probe
 from kimi_perf.power import clopper_pearson, markdown, replay, summarize
 
@@ -26,6 +27,11 @@ def _blocks(shift: float, n: int, sd: float = 0.03, seed: int = 0) -> list[dict[
              "c8:output_throughput": list(shift + sd * rng.standard_normal(5))} for _ in range(n)]
 
 
+def _rounds(shift: float, n: int, sd: float = 0.03, seed: int = 0) -> list[Round]:
+    """Rounds of one block each (fresh servers every block), launch order alternating."""
+    return [Round(i % 2, (b,)) for i, b in enumerate(_blocks(shift, n, sd, seed))]
+
+
 def test_clopper_pearson_is_the_exact_binomial_interval():
     assert clopper_pearson(0, 4) == (0.0, pytest.approx(0.6024, abs=1e-4))
     lo, hi = clopper_pearson(4, 4)
@@ -34,12 +40,12 @@ def test_clopper_pearson_is_the_exact_binomial_interval():
 
 
 def test_replay_applies_the_gates_rule_identical_code_passes_a_10pct_slowdown_fails():
-    aa = replay(_blocks(0.0, 12), SPEC, GATED, n_trials=300)
-    slow = replay(_blocks(math.log(0.9), 12, seed=1), SPEC, GATED, n_trials=300)
+    aa = replay(_rounds(0.0, 12), SPEC, GATED, n_trials=300)
+    slow = replay(_rounds(math.log(0.9), 12, seed=1), SPEC, GATED, n_trials=300)
     assert aa["fail"] == 0 and aa["pass"] > 250
     assert slow["fail"] == 300 and slow["mean_blocks"] == pytest.approx(3.0)
     # a change the size of the threshold cannot be decided either way: the budget runs out
-    edge = replay(_blocks(math.log(0.95), 12, seed=2), SPEC, GATED, n_trials=300)
+    edge = replay(_rounds(math.log(0.95), 12, seed=2), SPEC, GATED, n_trials=300)
     assert edge["inconclusive"] > 150 and edge["mean_blocks"] > 5
 
 
@@ -58,12 +64,12 @@ def test_summary_counts_verdicts_per_condition_and_the_table_names_every_commit_
     s = summarize(entry, SPEC, PROBES, replay_trials=50)
     c0, c1 = s["conditions"]["0"], s["conditions"]["0.1"]
     assert (c0["trials"], c0["fail"], c0["pass"]) == (2, 0, 2) and c0["fail_rate_ci95"][1] == pytest.approx(0.8419, abs=1e-3)
-    assert c1["fail"] == 2 and c1["replay"]["fail"] == 50 and c1["replay"]["blocks_pool"] == 6
+    assert c1["fail"] == 2 and c1["replay"]["fail"] == 50 and c1["replay"]["rounds_pool"] == 6
     entry["summary"] = s
     md = markdown({"machines": {"cpu-x86_64-2c": entry}})
     assert "commits aaaaaaaaaa (2 trials), bbbbbbbbbb (2 trials)" in md
-    assert "| 0% | 2 | 0/2 [0.00, 0.84] | 0/2 | 300 | 0.000 (50 from 6 blocks) | 0.000 |" in md
-    assert "| 10% | 2 | 2/2 [0.16, 1.00] | 0/2 | 300 | 1.000 (50 from 6 blocks) | 0.000 |" in md
+    assert "| 0% | 2 | 0/2 [0.00, 0.84] | 0/2 | 300 | 0.000 (50 from 6 launch rounds) | 0.000 |" in md
+    assert "| 10% | 2 | 2/2 [0.16, 1.00] | 0/2 | 300 | 1.000 (50 from 6 launch rounds) | 0.000 |" in md
 
 
 def test_a_study_under_another_policy_starts_afresh_and_keeps_the_old_trials_as_superseded():
@@ -110,14 +116,60 @@ def test_the_table_lists_superseded_studies_with_their_policy_and_verdicts():
 def test_a_noisy_metric_decided_at_its_own_threshold_lets_identical_code_pass():
     rng = np.random.default_rng(3)
     # a top probe whose pairs vary 7% (steady C=128 on one GPU) next to a quiet single-stream probe
-    blocks = [{"single_stream:decode_tok_s": list(0.01 * rng.standard_normal(3)),
-               "c8:output_throughput": list(0.07 * rng.standard_normal(3))} for _ in range(16)]
+    rounds = [Round(i % 2, ({"single_stream:decode_tok_s": list(0.01 * rng.standard_normal(3)),
+                             "c8:output_throughput": list(0.07 * rng.standard_normal(3))},)) for i in range(16)]
     spec = ABSpec(threshold=0.025, alpha=0.1, repeats_per_block=3, min_blocks=4, max_blocks=8)
-    shared = replay(blocks, spec, GATED, n_trials=400)
-    own = replay(blocks, replace(spec, thresholds={"output_throughput": 0.075}), GATED, n_trials=400,
-                 s_per_block=50.0)
+    shared = replay(rounds, spec, GATED, n_trials=400)
+    timing = Timing({"single_stream": 2.0, "c8": 12.0}, round_s=8.0)
+    own = replay(rounds, replace(spec, thresholds={"output_throughput": 0.075}), GATED, n_trials=400,
+                 timing=timing, target_s=300)
     assert shared["inconclusive"] > 150 and own["pass"] > 380 and own["fail"] == 0
-    assert own["median_blocks"] == 4 and own["est_median_wall_s"] == 200.0
+    # 4 blocks, each a launch round (8 s) and 3 pairs of each probe (3 x 14 s)
+    assert own["median_blocks"] == 4 and own["est_median_wall_s"] == 4 * (8 + 42) and own["within_target"] > 0.9
+
+
+def test_retiring_a_decided_probe_keeps_the_verdicts_and_saves_its_time():
+    """ab.retire_decided: once the expensive probe PASSED, later blocks measure only the one still
+    undecided, so a replay prices those blocks at that probe's pairs alone."""
+    rng = np.random.default_rng(5)
+    rounds = [Round(i % 2, ({"single_stream:decode_tok_s": list(0.03 * rng.standard_normal(3)),
+                             "c8:output_throughput": list(0.002 * rng.standard_normal(3))},)) for i in range(24)]
+    spec = ABSpec(threshold=0.025, alpha=0.1, repeats_per_block=3, min_blocks=4, max_blocks=12)
+    timing = Timing({"single_stream": 2.0, "c8": 12.0}, round_s=0.0)
+    kept = replay(rounds, spec, GATED, n_trials=300, timing=timing)
+    retired = replay(rounds, replace(spec, retire_decided=True), GATED, n_trials=300, timing=timing)
+    assert retired["pass"] == kept["pass"] and retired["mean_blocks"] == kept["mean_blocks"]
+    assert kept["mean_blocks"] > 4  # single-stream needs more blocks than the quiet top probe
+    # the top probe PASSes at block 4 in every trial; each later block saves its 3 pairs of 12 s
+    saved = 3 * 12.0 * (kept["mean_blocks"] - 4)
+    assert retired["est_mean_wall_s"] == pytest.approx(kept["est_mean_wall_s"] - saved)
+
+
+def test_rounds_are_rebuilt_from_recorded_pairs_and_recut_only_within_the_pairs_a_block_holds():
+    """Launch rounds of 2 blocks x 3 pairs can be recut into 2 blocks of 1 pair, or 4 blocks of 1
+    pair (two from each recorded block), but not into blocks of 3 pairs 2 at a time: that would
+    reuse recorded pairs and understate the noise."""
+    pairs = [{"block": b, "launch": b // 2, "probe": "c8", "base_output_throughput": 100.0,
+              "candidate_output_throughput": 100.0 * (1 + 0.01 * (b * 3 + i)), "base_duration_s": 1.0,
+              "candidate_duration_s": 1.5} for b in range(4) for i in range(3)]
+    trial = {"plant": 0.0, "blocks": 4, "wall_s": 30.0, "pairs": pairs}
+    rounds = recorded_rounds([trial], ["c8:output_throughput"], 2)
+    assert [r.order for r in rounds] == [0, 1] and [len(r.blocks) for r in rounds] == [2, 2]
+    assert rounds[1].blocks[0]["c8:output_throughput"] == pytest.approx([math.log(1.06), math.log(1.07), math.log(1.08)])
+    spec = ABSpec(repeats_per_block=3, min_blocks=2, max_blocks=8, blocks_per_launch=2)
+    assert redesign_problem(rounds, spec, ["c8"]) is None
+    assert redesign_problem(rounds, replace(spec, repeats_per_block=1, blocks_per_launch=4), ["c8"]) is None
+    why = redesign_problem(rounds, replace(spec, blocks_per_launch=4), ["c8"])
+    assert why and "need 6 distinct pairs" in why and "holds 3" in why
+    # 12 pairs of 2.5 s: the rest of the 30 s went to 2 launch rounds
+    t = fit_timing([trial], [{"name": "c8", "workload": {}}], spec)
+    assert t is not None and t.pair_s == {"c8": 2.5} and t.round_s == pytest.approx(0.0)
+    assert Timing.rounds(5, spec) == 3 and Timing.starts_round(4, spec) and not Timing.starts_round(3, spec)
+    # pairs recorded before durations were: the probe's tokens over each side's throughput
+    old = [{k: v for k, v in p.items() if "duration" not in k} for p in pairs]
+    t_old = fit_timing([{**trial, "pairs": old}], [{"name": "c8", "workload": {"num_prompts": 2, "output_len": 50}}],
+                       spec)
+    assert t_old is not None and t_old.pair_s["c8"] == pytest.approx(1.0 + 1 / 1.055, rel=0.01)
 
 
 def test_what_if_replays_stored_studies_under_changed_decision_knobs_only():
@@ -133,15 +185,19 @@ def test_what_if_replays_stored_studies_under_changed_decision_knobs_only():
                                   "trials": [trial]}}}
     md = what_if(doc, {"thresholds": {"output_throughput": 0.1}}, n_trials=50)
     assert 'thresholds={"output_throughput": 0.1}' in md
-    assert "| gpu-x | 0% | 6 | 1.000 | 0.000 | 0.000 | 3 | 3.0 | 150 |" in md
+    assert "| gpu-x | 0% | 6 | 1.000 | 0.000 | 0.000 | 3 | 3.0 | - | - |" in md  # no pairs recorded: no timing
     only_single = what_if(doc, {"gated": {"single_stream": ["decode_tok_s"]}}, n_trials=20)
     assert "| gpu-x | 0% | 6 | 1.000 |" in only_single
-    with pytest.raises(SystemExit, match="repeats_per_block.*cannot"):
-        what_if(doc, {"repeats_per_block": 9})
+    with pytest.raises(SystemExit, match="pin_cpus.*changed what was measured"):
+        what_if(doc, {"pin_cpus": True})
+    more = what_if(doc, {"repeats_per_block": 9})
+    assert "| gpu-x | 0% | 6 | not replayable: single_stream: 9 pairs a block x 1 blocks a launch round need 9" in more
+    fewer = what_if(doc, {"repeats_per_block": 3}, n_trials=20)
+    assert "| gpu-x | 0% | 6 | 1.000 |" in fewer
     with pytest.raises(SystemExit, match="recorded no pairs of"):
         what_if(doc, {"gated": {"top": ["tpot_ms_p50"]}})
     # a metric recorded per pair but not gated when the trials ran is rebuilt from the pairs
     trial["pairs"] = [{"block": b, "probe": "c8", "base_tpot_ms_p50": 10.0, "candidate_tpot_ms_p50": 10.0 * f}
-                      for b in range(6) for f in (1.0, 1.01, 0.99)]
+                      for b in range(6) for f in (1.0, 1.01, 0.99, 1.0, 1.005)]
     tpot = what_if(doc, {"gated": {"top": ["tpot_ms_p50"]}}, n_trials=20)
-    assert "| gpu-x | 0% | 6 | 1.000 | 0.000 | 0.000 | 3 | 3.0 | 150 |" in tpot
+    assert "| gpu-x | 0% | 6 | 1.000 | 0.000 | 0.000 | 3 | 3.0 | - | - |" in tpot
