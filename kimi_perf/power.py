@@ -187,7 +187,7 @@ def what_if(doc: dict[str, Any], overrides: dict[str, Any], *, labels: Sequence[
     if bad:
         raise SystemExit(f"--replay-only: {bad} changed what was measured, which a replay cannot; "
                          f"it can change {', '.join(REPLAYABLE)}")
-    lines = [f"What-if replay of recorded blocks ({n_trials} trials per condition) with "
+    lines = [f"What-if replay of recorded launch rounds ({n_trials} trials per condition) with "
              + (", ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items()) or "the recorded policy"), "",
              "| machine | planted | launch rounds | PASS | FAIL | INCONCLUSIVE | median blocks | mean blocks | "
              "est. wall s median / mean | within target |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -318,7 +318,7 @@ def study_entry(doc: dict[str, Any], label: str, config: dict[str, Any]) -> dict
     a fresh one. An earlier study of the machine under another policy is evidence too (what the policy
     was resized from), so it moves to ``doc["superseded"][label]`` instead of being overwritten."""
     entry = doc.setdefault("machines", {}).get(label)
-    same = entry is not None and all(entry.get(k) == json.loads(json.dumps(config[k])) for k in ("spec", "probes"))
+    same = entry is not None and _same_policy(entry, config)
     if entry is not None and same:
         return entry
     if entry is not None:
@@ -326,6 +326,39 @@ def study_entry(doc: dict[str, Any], label: str, config: dict[str, Any]) -> dict
             "starting that machine's entry afresh")
         doc.setdefault("superseded", {}).setdefault(label, []).append(entry)
     return {**config, "trials": []}
+
+
+def _same_policy(entry: dict[str, Any], config: dict[str, Any]) -> bool:
+    """Whether a stored study ran ``config``'s A/B policy and probes. A field added to the policy or a
+    workload after the study was stored is absent there; at its default it changes nothing, so it does
+    not make the policy another one (or every new field would restart every study)."""
+    from dataclasses import fields
+
+    from .load.workload import Workload
+
+    def filled(stored: dict[str, Any], new: dict[str, Any], klass: Any) -> bool:
+        dflt = {f.name: json.loads(json.dumps(_default(f))) for f in fields(klass)}
+        keys = set(stored) | set(new)
+        return all(stored.get(k, dflt.get(k)) == new.get(k, dflt.get(k)) for k in keys)
+
+    new = json.loads(json.dumps(config))
+    if not filled(entry.get("spec", {}), new["spec"], ABSpec):
+        return False
+    old_p, new_p = entry.get("probes", []), new["probes"]
+    return len(old_p) == len(new_p) and all(
+        {k: v for k, v in a.items() if k != "workload"} == {k: v for k, v in b.items() if k != "workload"}
+        and filled(a.get("workload", {}), b.get("workload", {}), Workload) for a, b in zip(old_p, new_p))
+
+
+def _default(f: Any) -> Any:
+    from dataclasses import MISSING
+
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:
+        v = f.default_factory()
+        return dict(v) if hasattr(v, "items") else v
+    return None
 
 
 def _target(profile: Any) -> tuple[str, Path, str]:

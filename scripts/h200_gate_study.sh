@@ -1,5 +1,5 @@
 #!/bin/bash
-# The H200 gate-power study (docs/ab-gate.md, "Status on the H200") across ten-minute device calls.
+# The one-GPU gate-power study (docs/ab-gate.md, "Status on one GPU") across ten-minute device calls.
 #
 #   here, once:            bash scripts/h200_gate_study.sh prepare
 #   each device call:      bash scripts/h200_gate_study.sh run      (carry: [".carry"])

@@ -81,6 +81,9 @@ def test_a_study_under_another_policy_starts_afresh_and_keeps_the_old_trials_as_
     e["trials"].append({"plant": 0.0, "verdict": "PASS"})
     doc["machines"]["gpu"] = e
     assert study_entry(doc, "gpu", cfg) is e  # same policy: continued
+    # a policy field added after the study was stored, at its default, is the same policy
+    later = {**cfg, "spec": {"blocks_per_launch": 2, "retire_decided": False, "repeats": {}}}
+    assert study_entry(doc, "gpu", later) is e
     resized = {**cfg, "spec": {"blocks_per_launch": 2, "parallel_launch": True}}
     fresh = study_entry(doc, "gpu", resized)
     assert fresh["trials"] == [] and fresh["spec"] == resized["spec"]
@@ -161,6 +164,14 @@ def test_rounds_are_rebuilt_from_recorded_pairs_and_recut_only_within_the_pairs_
     assert redesign_problem(rounds, replace(spec, repeats_per_block=1, blocks_per_launch=4), ["c8"]) is None
     why = redesign_problem(rounds, replace(spec, blocks_per_launch=4), ["c8"])
     assert why and "need 6 distinct pairs" in why and "holds 3" in why
+    # a trial that retired c8 after its first round: its second round still serves single_stream
+    ss = [{"block": b, "launch": b // 2, "probe": "single_stream", "base_decode_tok_s": 100.0,
+           "candidate_decode_tok_s": 101.0} for b in range(4) for _ in range(3)]
+    retired = recorded_rounds([{**trial, "pairs": pairs[:6] + ss}], ["single_stream:decode_tok_s",
+                                                                      "c8:output_throughput"], 2)
+    assert [sorted(r.probes) for r in retired] == [["c8", "single_stream"], ["single_stream"]]
+    assert set(retired[1].blocks[0]) == {"single_stream:decode_tok_s"}
+    assert redesign_problem(retired[1:], spec, ["c8"]) == "c8: no complete launch round recorded it"
     # 12 pairs of 2.5 s: the rest of the 30 s went to 2 launch rounds
     t = fit_timing([trial], [{"name": "c8", "workload": {}}], spec)
     assert t is not None and t.pair_s == {"c8": 2.5} and t.round_s == pytest.approx(0.0)

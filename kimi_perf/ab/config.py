@@ -86,7 +86,7 @@ class ABSpec:
         return int(self.repeats.get(probe_role(probe), self.repeats_per_block))
 
     def describe_repeats(self) -> str:
-        """``3 pairs`` or ``3 pairs (single_stream 3, top 1)``, for headers and reports."""
+        """``3 pairs`` or ``3 pairs (top 1)``, for headers and reports."""
         extra = ", ".join(f"{p} {n}" for p, n in sorted(self.repeats.items()))
         return f"{self.repeats_per_block} pairs" + (f" ({extra})" if extra else "")
 

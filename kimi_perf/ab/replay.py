@@ -1,19 +1,21 @@
-"""Replay recorded A/B blocks under a decision policy: error rates and verdict times without a GPU.
+"""Replay recorded A/B pairs under another policy: error rates and verdict times without a GPU.
 
-Why: direct trials of the gate cost minutes of a lent GPU each, and a policy change (a threshold, the
-block budget, retiring decided probes) is a question about *how* recorded noise is decided, not about
-new noise. So a power study's recorded blocks are drawn with replacement into many sequential trials
-decided by the gate's own rule (:func:`kimi_perf.ab.decide.decide`,
-:func:`kimi_perf.ab.runner.stop_reason`): a block bootstrap that keeps each block's real pairs (its
-launch effect included) but not correlations longer than a block.
+Why: direct trials of the gate cost minutes of a lent GPU each, and many policy changes (a threshold,
+the block budget, fewer pairs a block, retiring decided probes) are questions about how recorded noise
+is cut and decided, not about new noise. So a power study's recorded launch rounds are drawn with
+replacement into many sequential trials, recut into the asked blocks and decided by the gate's own
+rule (:func:`kimi_perf.ab.decide.decide`, :func:`kimi_perf.ab.runner.stop_reason`): a bootstrap of
+launch rounds that keeps each round's launch effect and each block's drift, but not correlations
+longer than a round (:func:`replay` says what a recut design does not reproduce).
 
 Verdict times come from a :class:`Timing` fitted to the same study: seconds per pair of each probe
 (from the durations recorded with every pair, or the probe's output tokens over its measured
 throughput in studies recorded before durations were) and seconds per launch round, calibrated so
 that the model gives the recorded trials' wall times. That is what lets a replay price a policy that
 measures fewer probes in later blocks (``ab.retire_decided``): a block's time is the time of the probes
-still measured in it. A replay cannot answer what changes the pairs themselves (more pairs per block,
-longer repeats): those need direct trials (``python -m kimi_perf.power``).
+still measured in it. A replay cannot answer what changes the pairs themselves (longer repeats, another
+launch mode) or needs more distinct pairs than were recorded: those need direct trials
+(``python -m kimi_perf.power``).
 """
 
 from __future__ import annotations
@@ -121,6 +123,12 @@ class Round:
 
     order: int
     blocks: tuple[Mapping[str, Sequence[float]], ...]
+    probes: frozenset[str] = frozenset()  # probes measured in every block of it (a retired one is not)
+
+    def __post_init__(self) -> None:
+        if not self.probes:  # not given: every probe its blocks hold
+            held = frozenset.intersection(*(frozenset(k.partition(":")[0] for k in b) for b in self.blocks))
+            object.__setattr__(self, "probes", held)
 
 
 def recorded_rounds(trials: Sequence[Mapping[str, Any]], keys: Sequence[str], blocks_per_launch: int) -> list[Round]:
@@ -128,8 +136,9 @@ def recorded_rounds(trials: Sequence[Mapping[str, Any]], keys: Sequence[str], bl
     rebuilt from each trial's recorded pairs (so a metric not gated when the trial ran can be replayed),
     or from its gated ``block_log_ratios`` when it recorded no pairs. Pairs recorded without their
     launch round come from trials that relaunched every block (``blocks_per_launch`` 1: the block is
-    the round) or launched once (0). Rounds cut short (a trial stopped inside a round) are dropped
-    when complete ones exist."""
+    the round) or launched once (0). A round keeps the probes measured in every one of its blocks: after
+    a probe was retired (``ab.retire_decided``) its rounds still serve the probes that were measured.
+    Rounds cut short (a trial stopped inside a round) are dropped when complete ones exist."""
     out: list[Round] = []
     for t in trials:
         per: dict[tuple[int, int], dict[str, list[float]]] = {}
@@ -149,9 +158,13 @@ def recorded_rounds(trials: Sequence[Mapping[str, Any]], keys: Sequence[str], bl
                     per.setdefault((rnd, i), {})[key] = list(ys)
         by_round: dict[int, list[dict[str, list[float]]]] = {}
         for (rnd, _), blk in sorted(per.items()):
-            if all(blk.get(k) for k in keys):
-                by_round.setdefault(rnd, []).append(blk)
-        out += [Round(rnd % 2, tuple(bs)) for rnd, bs in sorted(by_round.items())]
+            by_round.setdefault(rnd, []).append(blk)
+        names = {k.partition(":")[0] for k in keys}
+        for rnd, bs in sorted(by_round.items()):
+            have = frozenset(p for p in names if all(b.get(k) for b in bs for k in keys if k.startswith(p + ":")))
+            if have:
+                kept = tuple({k: v for k, v in b.items() if k.partition(":")[0] in have} for b in bs)
+                out.append(Round(rnd % 2, kept, have))
     full = max((len(r.blocks) for r in out), default=0)
     return [r for r in out if len(r.blocks) == full]
 
@@ -167,7 +180,11 @@ def redesign_problem(rounds: Sequence[Round], spec: ABSpec, probes: Sequence[str
     k = spec.blocks_per_launch or spec.max_blocks
     per_block = math.ceil(k / nb)
     for p in probes:
-        have = min(len(v) for r in rounds for b in r.blocks for key, v in b.items() if key.startswith(p + ":"))
+        held = [len(v) for r in rounds if p in r.probes for b in r.blocks for key, v in b.items()
+                if key.startswith(p + ":")]
+        if not held:
+            return f"{p}: no complete launch round recorded it"
+        have = min(held)
         need = per_block * spec.repeats_for(p)
         if need > have:
             return (f"{p}: {spec.repeats_for(p)} pairs a block x {k} blocks a launch round need {need} distinct pairs "
@@ -187,10 +204,11 @@ def replay(rounds: Sequence[Round], spec: ABSpec, gated: Sequence[tuple[str, str
     rounds that keeps their launch effect and each block's drift; under another design (fewer pairs a
     block, more blocks a round) two replayed blocks may share a recorded block's drift, which the real
     design would not: small next to the pair noise where the study measured it so (its variance
-    components). With ``timing``, ``ab.time_budget_s`` ends a trial as it ends a comparison. With
-    ``ab.retire_decided`` a probe whose metrics all PASSED at a decision point takes
-    no more pairs, as in :func:`kimi_perf.ab.runner.run_ab`. With ``timing`` every trial's verdict time
-    is estimated (median, mean, and the share within ``target_s``)."""
+    components). With ``ab.retire_decided`` a probe whose metrics all PASSED at a decision point takes
+    no more pairs, as in :func:`kimi_perf.ab.runner.run_ab`, and later rounds are drawn from those that
+    measured the probes still active. With ``timing`` every trial's verdict time is estimated (median,
+    mean, and the share within ``target_s``) and ``ab.time_budget_s`` ends a trial as it ends a
+    comparison."""
     from ..metrics import METRICS
 
     rng = np.random.default_rng(seed)
@@ -206,10 +224,15 @@ def replay(rounds: Sequence[Round], spec: ABSpec, gated: Sequence[tuple[str, str
         verdict, wall, b = "INCONCLUSIVE", 0.0, 0
         cut: list[dict[str, list[float]]] = []
         for b in range(spec.max_blocks):
-            if b % k == 0:  # a launch round: draw a recorded one of this round's launch order
-                pool = by_order[(b // k) % 2] or list(rounds)
-                cut = _cut_round(pool[int(rng.integers(len(pool)))], spec, probes, k, rng)
             active = [p for p in probes if p not in retired]
+            if b % k == 0:  # a launch round: draw a recorded one of this launch order that measured them
+                need = set(active)
+                pool = ([r for r in by_order[(b // k) % 2] if need <= r.probes]
+                        or [r for r in rounds if need <= r.probes])
+                rnd = pool[int(rng.integers(len(pool)))]
+                # every probe the round holds is cut, used or not: the random draws are then the same
+                # under policies that differ only in retirement, so their replays compare paired
+                cut = _cut_round(rnd, spec, sorted(rnd.probes), k, rng)
             for p, m in gated:
                 if p in active:
                     chosen[f"{p}:{m}"].append(cut[b % k][f"{p}:{m}"])

@@ -461,9 +461,9 @@ def stop_reason(decisions: Sequence[ABDecision], blocks: int, spec: ABSpec, *, f
 def _retire(out: ABOutcome, blocks: int) -> None:
     """``ab.retire_decided``: after a decision point, stop measuring every probe whose gated metrics
     have all PASSED. Its pairs stop growing, so each later look recomputes the same interval and the
-    same PASS: the verdict stands from its first crossing, as a FAIL's does. The probe's noise is
-    gone from later blocks, so nothing else changes for the probes still measured but their
-    neighbours in time."""
+    same PASS: the verdict stands from its first crossing, as a FAIL's does. The probes still
+    measured lose only a neighbour in time (the retired probe's repeats no longer run between theirs),
+    which is what direct trials of a retiring policy check."""
     s = out.spec
     if blocks < s.min_blocks or not s.balanced(blocks):
         return
