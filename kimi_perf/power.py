@@ -14,9 +14,9 @@ machine hits every condition alike. Each trial is written to the output as soon 
 rerun with the same configuration continues where the last one stopped (a study runs for hours).
 
 Direct trials are expensive (minutes each), so their rates come with wide exact (Clopper-Pearson)
-intervals. The report adds a *replay* estimate (:mod:`kimi_perf.ab.replay`): the recorded blocks of
-each condition are resampled with replacement into many sequential trials decided by the same rule,
-with verdict times from the study's own timing. Both are in ``benchmarks/gate-power.json`` with the
+intervals. The report adds a *replay* estimate (:mod:`kimi_perf.ab.replay`): the recorded launch
+rounds of each condition are resampled with replacement into many sequential trials decided by the
+same rule, with verdict times from the study's own timing. Both are in ``benchmarks/gate-power.json`` with the
 machine they ran on.
 """
 
