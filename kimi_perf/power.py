@@ -335,9 +335,10 @@ def _same_policy(entry: dict[str, Any], config: dict[str, Any]) -> bool:
     from dataclasses import fields
 
     from .load.workload import Workload
+    from .profile_schema import json_default
 
     def filled(stored: dict[str, Any], new: dict[str, Any], klass: Any) -> bool:
-        dflt = {f.name: json.loads(json.dumps(_default(f))) for f in fields(klass)}
+        dflt = {f.name: json_default(f) for f in fields(klass)}
         keys = set(stored) | set(new)
         return all(stored.get(k, dflt.get(k)) == new.get(k, dflt.get(k)) for k in keys)
 
@@ -348,17 +349,6 @@ def _same_policy(entry: dict[str, Any], config: dict[str, Any]) -> bool:
     return len(old_p) == len(new_p) and all(
         {k: v for k, v in a.items() if k != "workload"} == {k: v for k, v in b.items() if k != "workload"}
         and filled(a.get("workload", {}), b.get("workload", {}), Workload) for a, b in zip(old_p, new_p))
-
-
-def _default(f: Any) -> Any:
-    from dataclasses import MISSING
-
-    if f.default is not MISSING:
-        return f.default
-    if f.default_factory is not MISSING:
-        v = f.default_factory()
-        return dict(v) if hasattr(v, "items") else v
-    return None
 
 
 def _target(profile: Any) -> tuple[str, Path, str]:

@@ -22,7 +22,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["DOCS_PATH", "SCHEMA_NAME", "engine_docs", "markdown", "scaffold", "schema", "top_level"]
+__all__ = ["DOCS_PATH", "SCHEMA_NAME", "engine_docs", "json_default", "markdown", "scaffold", "schema", "top_level"]
 
 SCHEMA_NAME = "profile.schema.json"
 DOCS_PATH = "docs/profiles.md"
@@ -211,7 +211,10 @@ def _json_type(annotation: str) -> dict[str, Any]:
     return base
 
 
-def _field_default(f: dataclasses.Field) -> Any:  # type: ignore[type-arg]
+def json_default(f: dataclasses.Field) -> Any:  # type: ignore[type-arg]
+    """A dataclass field's default as it appears in JSON (tuples as lists, mappings as dicts, an
+    infinite float as "inf", as ``Workload.to_dict`` writes it), or ``dataclasses.MISSING`` when it has
+    none or the default is not JSON."""
     if f.default is not dataclasses.MISSING:
         d = f.default
     elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
@@ -239,7 +242,7 @@ def _props_from(cls: type, docs: Mapping[str, str], *, extra: Mapping[str, dict[
         if f.name not in docs or (only is not None and f.name not in only):
             continue
         p = {**_json_type(str(f.type)), "description": docs[f.name]}
-        d = _field_default(f)
+        d = json_default(f)
         if d is not dataclasses.MISSING:
             p["default"] = d
         props[f.name] = p
