@@ -247,9 +247,7 @@ def markdown(doc: dict[str, Any]) -> str:
         lines += [f"## {label}", "", f"{e.get('machine', {}).get('cpu', '?')}, "
                   f"{', '.join(g.get('name', '') for g in e.get('machine', {}).get('gpus', [])) or 'no GPU'}; "
                   f"profile {e.get('profile')}, engine {e.get('engine')}, {_commits(e)}; "
-                  f"threshold {e['spec']['threshold']:.1%}, alpha {e['spec']['alpha']}, blocks "
-                  f"{e['spec']['min_blocks']}-{e['spec']['max_blocks']} x {e['spec']['repeats_per_block']} pairs, "
-                  f"{_launches(e['spec'])}; servers {e.get('servers', '?')}", "",
+                  f"{_policy(e)}; servers {e.get('servers', '?')}", "",
                   "| planted | trials | FAIL rate (direct, 95% CI) | inconclusive | median wall s | FAIL rate (replay) | "
                   "inconclusive (replay) |", "|---|---|---|---|---|---|---|"]
         for plant, c in s.get("conditions", {}).items():
@@ -278,6 +276,14 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _policy(e: dict[str, Any]) -> str:
+    """A stored entry's A/B policy in the words of the A/B header (thresholds, pairs, launches, budget)."""
+    sp = recorded_spec(e)
+    return (f"threshold {sp.describe_thresholds()}, alpha {sp.alpha}, blocks {sp.min_blocks}-{sp.max_blocks} x "
+            f"{sp.describe_repeats()}, {sp.launch_schedule}"
+            + (f", time budget {sp.time_budget_s:.0f} s" if sp.time_budget_s else ""))
+
+
 def _pool(rp: dict[str, Any]) -> str:
     """What a stored replay drew from (summaries written before launch-round replays drew blocks)."""
     return f"{rp['rounds_pool']} launch rounds" if "rounds_pool" in rp else f"{rp.get('blocks_pool')} blocks"
@@ -303,7 +309,9 @@ def _noise_lines(conditions: dict[str, Any]) -> list[str]:
 
             def sd(name: str, lv: dict[str, Any] = lv) -> str:
                 x = lv.get(name, {})
-                return "confounded" if x.get("confounded") else f"{100 * x.get('sd', float('nan')):.2f}%"
+                if x.get("confounded"):  # a pair level "within" blocks: 1 pair a block, its noise is in blocks
+                    return f"in {x['within']}s" if x.get("within") else "confounded"
+                return f"{100 * x.get('sd', float('nan')):.2f}%"
 
             b, s2 = n.get("aa_bias") or {}, n.get("second_launch") or {}
             bias = (f"x{b['ratio']:.4f} [{b['lo']:.4f}, {b['hi']:.4f}]" if "ratio" in b else "-")

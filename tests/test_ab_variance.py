@@ -49,6 +49,17 @@ def test_one_block_per_launch_confounds_the_block_and_launch_levels():
     assert variance_components(rows[:1]) == {"pairs": 1, "levels": {}, "why": "fewer than two pairs"}
 
 
+def test_one_pair_per_block_folds_the_pair_noise_into_the_block_level():
+    """A probe run once a block (``ab.repeats: {"top": 1}``) has no within-block spread to measure:
+    the pair level says where its noise went instead of reporting NaN, and the block level holds both."""
+    rows = pair_log_ratios(_trials(pairs=1, sd_pair=0.02, sd_block=0.01, sd_launch=0.0), "c128",
+                           "steady_output_throughput")
+    vc = variance_components(rows)["levels"]
+    assert vc["pair"]["confounded"] and vc["pair"]["within"] == "block"
+    assert vc["block"]["sd"] == pytest.approx(math.hypot(0.02, 0.01), rel=0.15)
+    assert math.isfinite(variance_components(rows)["total_var"])
+
+
 def test_aa_bias_interval_is_over_trials_and_checks_the_half_percent_band():
     fine = aa_bias(pair_log_ratios(_trials(sd_launch=0.002, sd_block=0.002, sd_pair=0.005), "c128",
                                    "steady_output_throughput"))

@@ -69,7 +69,8 @@ def variance_components(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
     Returns ``{"levels": {name: {"var", "sd", "raw", "groups", "confounded"?}}, "total_var", "pairs"}``;
     ``sd`` is in log units (0.01 ~ 1%). A level with one group per parent everywhere (one launch per
-    trial, say) cannot be told apart from the level above and is marked confounded."""
+    trial, say) cannot be told apart from the level above and is marked confounded; with one pair in every
+    block the pair level is marked confounded with ``"within": "block"``, and the block level holds both."""
     if len(rows) < 2:
         return {"pairs": len(rows), "levels": {}, "why": "fewer than two pairs"}
     levels: dict[str, dict[str, Any]] = {}
@@ -77,9 +78,15 @@ def variance_components(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     blocks = _groups(rows, 3)
     ss = sum(float(np.sum((np.asarray(v) - np.mean(v)) ** 2)) for v in blocks.values())
     df = sum(len(v) - 1 for v in blocks.values())
-    s2_below = ss / df if df > 0 else float("nan")
-    levels["pair"] = {"var": s2_below, "sd": math.sqrt(s2_below) if s2_below >= 0 else float("nan"),
-                      "raw": s2_below, "groups": len(rows)}
+    if df > 0:
+        s2_below = ss / df
+        levels["pair"] = {"var": s2_below, "sd": math.sqrt(s2_below), "raw": s2_below, "groups": len(rows)}
+    else:
+        # one pair in every block (a probe run once a block, e.g. ``ab.repeats: {"top": 1}``): a pair's own
+        # noise cannot be told from the block's, so the block level carries both and the pair level says so
+        s2_below = 0.0
+        levels["pair"] = {"var": float("nan"), "sd": float("nan"), "raw": float("nan"), "groups": len(rows),
+                          "confounded": True, "within": "block"}
     # each higher level: spread of the lower level's group means around this level's group means
     lower_means = {k: float(np.mean(v)) for k, v in blocks.items()}
     lower_size = float(np.mean([len(v) for v in blocks.values()]))
