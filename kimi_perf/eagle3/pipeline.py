@@ -27,7 +27,7 @@ from ..progress import log
 from .data import DataConfig, Sample, build_items, generate_samples, samples_digest
 from .features import FeatureSpec, extract_features
 from .train import TrainConfig, TrainResult, train_drafter
-from .vocab import build_vocab_maps, count_tokens
+from .vocab import DEFAULT_SIZES, build_vocab_maps, count_tokens, coverage_table
 
 __all__ = ["DrafterArtifact", "DrafterRecipe", "build_drafter", "cache_dirs", "load_target_tensors"]
 
@@ -138,8 +138,12 @@ def build_drafter(
         counts = count_tokens(((s.ids, s.loss_mask) for s in train), vocab)
         d2t, t2d = build_vocab_maps(counts, recipe.train.draft_vocab_size)
         covered = float(counts[t2d].sum() / max(1, counts.sum()))
+        by_size = coverage_table(counts, count_tokens(((s.ids, s.loss_mask) for s in heldout), vocab),
+                                 sorted({*DEFAULT_SIZES, recipe.train.draft_vocab_size}))
         log(f"drafter vocab: {int((counts > 0).sum())} distinct assistant tokens, draft vocab "
-            f"{recipe.train.draft_vocab_size} covers {covered:.1%} of them by frequency")
+            f"{recipe.train.draft_vocab_size} covers {covered:.1%} of them by frequency; held-out coverage "
+            + ", ".join(f"{r['size']}: {r['heldout_coverage']:.1%}" if r["heldout_coverage"] is not None
+                        else f"{r['size']}: -" for r in by_size))
         t1 = time.monotonic()
         store = extract_features(list(samples.values()), target_dir, feat_dir, recipe.features,
                                  model_fingerprint=target_fingerprint, max_len=recipe.train.max_seq_len)
@@ -159,7 +163,8 @@ def build_drafter(
                      "train_response_tokens": int(sum(len(s.response_ids) for s in train)),
                      "samples_digest": samples_digest(list(samples.values())), "seconds": t_data,
                      "train_ids": sorted(train_ids), "heldout_ids": sorted(s.id for s in heldout)},
-            "vocab": {"distinct_assistant_tokens": int((counts > 0).sum()), "coverage": covered},
+            "vocab": {"distinct_assistant_tokens": int((counts > 0).sum()), "coverage": covered,
+                      "by_size": by_size},
             "features": {"dir": str(feat_dir), "layers": list(store.layers), "backend": store.manifest["backend"],
                          "backend_version": store.manifest["backend_version"], "tokens": store.num_tokens,
                          "seconds": t_feat, "planted_layer_offset": recipe.features.layer_offset},
