@@ -48,15 +48,15 @@ looks are measured, not assumed (``python -m kimi_perf.power``, ``benchmarks/gat
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
 from ..metrics import MetricDef
 
-__all__ = ["ABDecision", "ABVerdict", "Interval", "block_t_interval", "decide", "log_ratio"]
+__all__ = ["ABDecision", "ABVerdict", "Interval", "block_t_interval", "decide", "log_ratio", "pair_log_ratio"]
 
 ABVerdict = Literal["PASS", "FAIL", "INCONCLUSIVE"]
 
@@ -66,6 +66,14 @@ def log_ratio(base: float, candidate: float) -> float:
     if not (math.isfinite(base) and math.isfinite(candidate)) or base <= 0 or candidate <= 0:
         return float("nan")
     return math.log(candidate / base)
+
+
+def pair_log_ratio(pair: Mapping[str, Any], metric: str) -> float:
+    """:func:`log_ratio` of one recorded pair (``base_<metric>``, ``candidate_<metric>``, as the power
+    study stores them); NaN when a side is missing or not a number."""
+    sides = [pair.get(f"{s}_{metric}") for s in ("base", "candidate")]
+    b, c = (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan for v in sides)
+    return log_ratio(b, c)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from .config import ABSpec
-from .decide import decide, log_ratio
+from .decide import decide, pair_log_ratio
 from .runner import stop_reason
 
 __all__ = ["Round", "Timing", "fit_timing", "overall", "recorded_rounds", "redesign_problem", "replay"]
@@ -148,8 +148,7 @@ def recorded_rounds(trials: Sequence[Mapping[str, Any]], keys: Sequence[str], bl
             for key in keys:
                 probe, _, m = key.partition(":")
                 if pr.get("probe") == probe:
-                    b, c = pr.get(f"base_{m}"), pr.get(f"candidate_{m}")
-                    blk.setdefault(key, []).append(log_ratio(_num(b) or math.nan, _num(c) or math.nan))
+                    blk.setdefault(key, []).append(pair_log_ratio(pr, m))
         from_pairs = {k for blk in per.values() for k in blk}
         for key, bl in t.get("block_log_ratios", {}).items():  # gated keys of trials that kept no pairs
             if key in keys and key not in from_pairs:

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .decide import log_ratio
+from .decide import pair_log_ratio
 
 __all__ = ["aa_bias", "pair_log_ratios", "second_launch_effect", "variance_components"]
 
@@ -47,8 +47,7 @@ def pair_log_ratios(trials: Sequence[Mapping[str, Any]], probe: str, metric: str
         for p in t.get("pairs", []):
             if p.get("probe") != probe:
                 continue
-            b, c = p.get(f"base_{metric}"), p.get(f"candidate_{metric}")
-            y = log_ratio(float("nan") if b is None else b, float("nan") if c is None else c)
+            y = pair_log_ratio(p, metric)
             if not math.isfinite(y):
                 continue
             rnd = int(p.get("launch", 0))
