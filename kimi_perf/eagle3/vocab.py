@@ -57,8 +57,8 @@ def build_vocab_maps(counts: np.ndarray, draft_vocab_size: int) -> tuple[np.ndar
 def coverage_table(train_counts: np.ndarray, heldout_counts: np.ndarray,
                    sizes: Iterable[int] = DEFAULT_SIZES) -> list[dict[str, float | int | None]]:
     """For each draft-vocabulary size (capped at the target vocabulary): the share of training and of
-    held-out assistant tokens that the vocabulary built from ``train_counts`` covers. Held-out coverage
-    (or training) coverage is None when there are no such tokens."""
+    held-out assistant tokens that the vocabulary built from ``train_counts`` covers; a share is None
+    when there are no such tokens."""
     vocab = train_counts.shape[0]
     n_train, n_held = int(train_counts.sum()), int(heldout_counts.sum())
     rows: list[dict[str, float | int | None]] = []
