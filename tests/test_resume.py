@@ -247,3 +247,37 @@ def test_batched_extraction_stores_what_one_sample_per_forward_stores(tiny_model
         torch.testing.assert_close(s.aux, r.aux, atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(s.final, r.final, atol=2e-5, rtol=1e-4)
         assert torch.equal(s.target_argmax, r.target_argmax)
+
+
+def test_held_out_scoring_per_epoch_leaves_training_unchanged(tiny_model, tmp_path):
+    """The trainer scores held-out samples after every epoch (kimi_perf.eagle3.train.evaluate_heldout):
+    one curve point per epoch, ``all_acc`` (every assistant position, out-of-vocabulary targets as misses)
+    never above ``acc``, and the weights bit-identical to a run that scores nothing, so turning the
+    curve on cannot change a drafter or its content hash."""
+    from kimi_perf.eagle3.features import FeatureSpec, extract_features
+    from kimi_perf.eagle3.pipeline import load_target_tensors
+    from kimi_perf.eagle3.train import TrainConfig, train_drafter
+    from kimi_perf.eagle3.vocab import build_vocab_maps, count_tokens
+
+    samples = _samples(16)
+    store = extract_features(samples, tiny_model, tmp_path / "feat", FeatureSpec(shard_tokens=4096, dtype="float32"),
+                             model_fingerprint="tiny")
+    train_ids, held_ids = [s.id for s in samples[:12]], [s.id for s in samples[12:]]
+    cfg, embed, lm = load_target_tensors(tiny_model)
+    counts = count_tokens(((s.ids, s.loss_mask) for s in samples[:12]), cfg["vocab_size"])
+    d2t, t2d = build_vocab_maps(counts, 256)  # the held-out responses' tokens are mostly outside it
+    tc = TrainConfig(draft_vocab_size=256, ttt_steps=2, epochs=3, batch_tokens=128, device="cpu", threads=1,
+                     warmup_steps=2, log_every=100, checkpoint_every=100)
+    runs = {}
+    for name, held in (("scored", held_ids), ("plain", None)):
+        runs[name] = train_drafter(store, train_ids, cfg, embed, lm, torch.from_numpy(d2t), torch.from_numpy(t2d),
+                                   tmp_path / name, tc, heldout_ids=held)
+    (m_scored, r_scored), (m_plain, r_plain) = runs["scored"], runs["plain"]
+    assert [p["epoch"] for p in r_scored.heldout_by_epoch] == [1, 2, 3] and r_plain.heldout_by_epoch == []
+    assert r_scored.heldout_by_epoch[-1]["step"] == r_scored.steps
+    assert r_scored.heldout_by_epoch[0]["positions"] == sum(len(s.response_ids) for s in samples[12:])
+    for point in r_scored.heldout_by_epoch:
+        for acc, all_acc in zip(point["acc"], point["all_acc"]):
+            assert all_acc <= acc or acc != acc  # NaN when no position of that step was draftable
+    for k, v in m_plain.state_dict().items():
+        torch.testing.assert_close(m_scored.state_dict()[k], v, rtol=0, atol=0, msg=k)

@@ -149,8 +149,10 @@ def build_drafter(
                                  model_fingerprint=target_fingerprint, max_len=recipe.train.max_seq_len)
         t_feat = time.monotonic() - t1
         train_ids = [s.id for s in train if s.id in set(store.sample_ids)]
+        in_store = set(store.sample_ids)
         model, res = train_drafter(store, train_ids, cfg, embed, lm, torch.from_numpy(d2t), torch.from_numpy(t2d),
-                                   work, recipe.train, target_norm=load_target_norm(target_dir))
+                                   work, recipe.train, target_norm=load_target_norm(target_dir),
+                                   heldout_ids=[s.id for s in heldout if s.id in in_store])
         if res.steps < 1 or math.isnan(res.final_loss):
             raise RuntimeError(f"drafter training produced no usable model (steps {res.steps}, loss {res.final_loss})")
         aux_for = None if store.layers == (2, int(cfg["num_hidden_layers"]) // 2, int(cfg["num_hidden_layers"]) - 3) else "reference"

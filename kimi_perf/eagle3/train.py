@@ -6,6 +6,14 @@ writes ``train_state.pt`` (model, optimiser, scheduler position, epoch order, RN
 checkpoint without redoing finished steps. Progress lines report loss, per-step top-1 accuracy and
 tokens/s, so a run is never silent.
 
+Held-out accuracy at every epoch's end: the training log's top-1 is measured on the batches being
+fitted, and on the recipes measured so far it rose to 0.65-0.69 at draft position 0 while the served
+acceptance of held-out prompts stayed at 0.22-0.34. Which epoch count, learning rate or data size
+generalises can only be read on samples the drafter never trained on, so given ``heldout_ids`` the
+trainer scores them after each epoch (teacher-forced, no gradient: seconds) and logs and returns the
+curve. ``all_acc`` counts every assistant position, a target token outside the draft vocabulary as a
+miss; ``acc`` only the positions it can draft, like the training log.
+
 Targets: the target's distribution at each position restricted to the draft vocabulary, computed
 from the stored post-norm final hidden and the target's lm_head rows (``t2d``); positions whose
 predicted token is not an assistant token, or whose target argmax is outside the draft vocabulary,
@@ -20,7 +28,7 @@ import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +38,7 @@ from ..engines.reference.drafter_model import Eagle3Config, Eagle3Drafter
 from ..progress import log
 from .features import FeatureSample, FeatureStore
 
-__all__ = ["TrainConfig", "TrainResult", "train_drafter"]
+__all__ = ["TrainConfig", "TrainResult", "evaluate_heldout", "train_drafter"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,8 @@ class TrainResult:
     final_step_acc: list[float]
     final_loss: float
     resumed_from_step: int
+    # per epoch ended in this run: {"epoch", "step", "acc": [per draft step], "all_acc": [...], "positions"}
+    heldout_by_epoch: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _batches(lengths: dict[str, int], batch_tokens: int, rng: random.Random) -> list[list[str]]:
@@ -115,6 +125,36 @@ def _collate(samples: list[FeatureSample], t2d: torch.Tensor, lm_rows: torch.Ten
     return aux.to(device), ids.to(device), logits, valid.to(device)
 
 
+@torch.no_grad()
+def evaluate_heldout(model: Eagle3Drafter, samples: list[FeatureSample], t2d: torch.Tensor, lm_rows: torch.Tensor,
+                     cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
+    """Teacher-forced top-1 per drafting step on ``samples`` (see the module doc): ``acc`` over the
+    positions whose target token is in the draft vocabulary, ``all_acc`` over every assistant position."""
+    was_training = model.training
+    model.eval()
+    hits = [0.0] * cfg.ttt_steps
+    drafted = [0] * cfg.ttt_steps
+    assistant = [0] * cfg.ttt_steps
+    lengths = {str(i): min(s.input_ids.shape[0], cfg.max_seq_len) for i, s in enumerate(samples)}
+    for batch_ids in _batches(lengths, cfg.batch_tokens, random.Random(0)):
+        batch = [_truncate(samples[int(i)], cfg.max_seq_len) for i in batch_ids]
+        aux, ids, tlogits, valid = _collate(batch, t2d, lm_rows, device, torch.float32)
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            out = model.ttt(aux, ids, tlogits, valid, cfg.ttt_steps)
+        for k, (a, n) in enumerate(zip(out.step_acc, out.step_count)):
+            if n:
+                hits[k] += a * n
+                drafted[k] += n
+            # assistant positions step k is scored on: token p+1+k is an assistant token (as ``valid``,
+            # without the vocabulary condition)
+            assistant[k] += sum(int(s.loss_mask[1 + k:].sum()) for s in batch)
+    if was_training:
+        model.train()
+    return {"acc": [h / n if n else float("nan") for h, n in zip(hits, drafted)],
+            "all_acc": [h / n if n else float("nan") for h, n in zip(hits, assistant)],
+            "positions": assistant[0]}
+
+
 def _atomic_save(obj: Any, path: Path) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     torch.save(obj, tmp)
@@ -136,9 +176,11 @@ def train_drafter(
     *,
     target_norm: torch.Tensor | None = None,
     stop_after_steps: int | None = None,
+    heldout_ids: list[str] | None = None,
 ) -> tuple[Eagle3Drafter, TrainResult]:
     """Train on ``train_ids`` of ``store``; checkpoints live in ``workdir``. ``stop_after_steps`` ends
-    the run early (as a kill would) -- the resume tests use it."""
+    the run early (as a kill would) -- the resume tests use it. ``heldout_ids`` are scored after every
+    epoch (:func:`evaluate_heldout`)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
@@ -169,6 +211,8 @@ def train_drafter(
     lengths = {i: min(s.input_ids.shape[0], cfg.max_seq_len) for i, s in samples.items()}
     if not samples:
         raise ValueError("no training samples found in the feature store for the given ids")
+    heldout = [_truncate(x, cfg.max_seq_len) for x in store.samples(set(heldout_ids))] if heldout_ids else []
+    curve: list[dict[str, Any]] = []
     rng = random.Random(cfg.seed)
     epoch_batches = [_batches(lengths, cfg.batch_tokens, rng) for _ in range(cfg.epochs)]
     total_steps = sum(len(e) for e in epoch_batches)
@@ -237,12 +281,19 @@ def train_drafter(
             win_loss, win_acc, win_n = 0.0, [0.0] * cfg.ttt_steps, 0
         if step % cfg.checkpoint_every == 0 or step == total_steps:
             save()
+        if heldout and (step == total_steps or flat[step][0] != epoch):
+            ev = evaluate_heldout(model, heldout, t2d, lm_rows, cfg, device)
+            curve.append({"epoch": epoch + 1, "step": step, **ev})
+            log(f"drafter training: epoch {epoch + 1} held-out ({len(heldout)} samples) top-1/step "
+                f"[{' '.join(f'{a:.2f}' for a in ev['acc'])}], over all assistant tokens "
+                f"[{' '.join(f'{a:.2f}' for a in ev['all_acc'])}]")
         if stop_after_steps is not None and step - resumed >= stop_after_steps:
             break
     el = time.monotonic() - t0
     model.eval()
     return model.cpu(), TrainResult(steps=step, tokens=tokens, seconds=el, tokens_per_s=(tokens - tok0) / max(el, 1e-9),
-                                    final_step_acc=last_acc, final_loss=last_loss, resumed_from_step=resumed)
+                                    final_step_acc=last_acc, final_loss=last_loss, resumed_from_step=resumed,
+                                    heldout_by_epoch=curve)
 
 
 def _truncate(s: FeatureSample, m: int) -> FeatureSample:
