@@ -148,8 +148,8 @@ def build_drafter(
         store = extract_features(list(samples.values()), target_dir, feat_dir, recipe.features,
                                  model_fingerprint=target_fingerprint, max_len=recipe.train.max_seq_len)
         t_feat = time.monotonic() - t1
-        train_ids = [s.id for s in train if s.id in set(store.sample_ids)]
         in_store = set(store.sample_ids)
+        train_ids = [s.id for s in train if s.id in in_store]
         model, res = train_drafter(store, train_ids, cfg, embed, lm, torch.from_numpy(d2t), torch.from_numpy(t2d),
                                    work, recipe.train, target_norm=load_target_norm(target_dir),
                                    heldout_ids=[s.id for s in heldout if s.id in in_store])

@@ -211,7 +211,7 @@ def train_drafter(
     lengths = {i: min(s.input_ids.shape[0], cfg.max_seq_len) for i, s in samples.items()}
     if not samples:
         raise ValueError("no training samples found in the feature store for the given ids")
-    heldout = [_truncate(x, cfg.max_seq_len) for x in store.samples(set(heldout_ids))] if heldout_ids else []
+    heldout = list(store.samples(set(heldout_ids))) if heldout_ids else []  # evaluate_heldout truncates
     curve: list[dict[str, Any]] = []
     rng = random.Random(cfg.seed)
     epoch_batches = [_batches(lengths, cfg.batch_tokens, rng) for _ in range(cfg.epochs)]
