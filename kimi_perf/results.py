@@ -18,7 +18,8 @@ dashboard reads ``run.json``. This module closes the three gaps:
   directions and units come from :mod:`kimi_perf.metrics`.
 
 CLI: ``python -m kimi_perf.results export --format bencher|gab RUN_DIR [-o OUT]`` and
-``python -m kimi_perf.results show RUN_DIR``. Both formats are a few lines of dict building; no
+``python -m kimi_perf.results show RUN_DIR``; ``python -m kimi_perf.results ab-table RUN_DIR...`` prints
+the same-run A/B decisions of several runs (e.g. one per engine flag variant) as one markdown table. Both formats are a few lines of dict building; no
 library writes them, so they are built here, and the tests validate them against JSON Schemas
 written from the formats' public docs (``tests/test_results.py``).
 """
@@ -345,6 +346,50 @@ def export(run: RunResults, fmt: str, out: Path, metrics: Sequence[str] | None =
     raise ValueError(f"unknown export format {fmt!r}: bencher or gab")
 
 
+def ab_rows(run: RunResults) -> list[dict[str, Any]]:
+    """One row per same-run A/B decision of ``run``, with the comparison it came from: which base, how
+    many blocks and launches, how long it took and why it stopped. A variant A/B of an engine flag is
+    read from these rows (the README's and docs/results.md's flag tables), not retyped."""
+    rows = []
+    for rec in run.results:
+        ab = rec.get("ab") or {}
+        k = rec.get("key") or {}
+        for d in ab.get("decisions") or []:
+            rows.append({"engine": k.get("engine"), "hardware": k.get("hardware"), "scenario": k.get("scenario"),
+                         "base": ab.get("base"), "base_version": (ab.get("versions") or {}).get("base"),
+                         "candidate_version": (ab.get("versions") or {}).get("candidate"),
+                         "probe": d.get("probe"), "metric": d.get("metric"), "unit": d.get("unit"),
+                         "direction": d.get("direction"), "verdict": d.get("verdict"),
+                         "base_value": d.get("base"), "candidate_value": d.get("candidate"), "ratio": d.get("ratio"),
+                         "ratio_lo": d.get("ratio_lo"), "ratio_hi": d.get("ratio_hi"), "level": d.get("level"),
+                         "threshold": d.get("threshold"), "pairs": d.get("n_pairs"), "blocks": ab.get("blocks"),
+                         "launches": len(ab.get("launches") or []), "wall_s": ab.get("wall_s"),
+                         "stopped": ab.get("stopped") or ab.get("error"), "reason": d.get("reason")})
+    return rows
+
+
+def ab_table(runs: Sequence[RunResults]) -> str:
+    """Markdown table of every A/B decision in ``runs`` (one row per metric): base, candidate/base
+    ratio with its interval, threshold, verdict, pairs, blocks, launches and wall time."""
+
+    def num(v: Any, fmt: str) -> str:
+        return format(v, fmt) if _finite(v) else "n/a"
+
+    out = ["| engine | base (candidate: this checkout) | test | metric | base | candidate | ratio [interval] "
+           "| threshold | verdict | pairs / blocks / launches | wall s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        for r in ab_rows(run):
+            arrow = "↑" if r["direction"] == "higher" else "↓"
+            interval = (f"{num(r['ratio'], '.4f')} [{num(r['ratio_lo'], '.4f')}, {num(r['ratio_hi'], '.4f')}]"
+                        + (f" ({r['level']:.0%})" if _finite(r["level"]) else ""))
+            out.append(f"| {r['engine']} | {r['base']} | {r['scenario']} | {r['metric']} {arrow} [{r['unit']}] "
+                       f"| {num(r['base_value'], '.4g')} | {num(r['candidate_value'], '.4g')} | {interval} "
+                       f"| {num(r['threshold'], '.1%')} | {r['verdict']} | {r['pairs']} / {r['blocks']} / {r['launches']} "
+                       f"| {num(r['wall_s'], '.0f')} |")
+    return "\n".join(out)
+
+
 def _cli(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kimi_perf.results",
                                  description="a kimi-perf run's results as tables, or as files a dashboard ingests")
@@ -360,7 +405,16 @@ def _cli(argv: list[str] | None = None) -> int:
     ex.add_argument("--metric", action="append", default=None, help="only this metric (repeatable)")
     sh = sub.add_parser("show", help="print the run's verdicts and repeats as tables (pandas)")
     sh.add_argument("run", help="report directory (holding run.json) or run file")
+    at = sub.add_parser("ab-table", help="print the same-run A/B decisions of one or more runs as a markdown table")
+    at.add_argument("runs", nargs="+", help="report directories (holding run.json) or run files")
     ns = ap.parse_args(argv)
+    if ns.cmd == "ab-table":
+        try:
+            loaded = [RunResults.load(r) for r in ns.runs]
+        except (FileNotFoundError, ValueError) as e:
+            ap.error(str(e))
+        print(ab_table(loaded))
+        return 0
     try:
         run = RunResults.load(ns.run)
     except (FileNotFoundError, ValueError) as e:

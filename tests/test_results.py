@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kimi_perf.metrics import METRICS
-from kimi_perf.results import GAB_FILES, RunResults, _cli, export, to_bencher, to_gab
+from kimi_perf.results import GAB_FILES, RunResults, _cli, ab_table, export, to_bencher, to_gab
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = str(Path(__file__).with_name("fake_server.py"))
@@ -309,3 +309,32 @@ def test_ab_ratios_are_exported_with_their_interval_and_the_metrics_direction(tm
     assert [e["name"].split()[-1] for e in gab["customSmallerIsBetter"]] == ["sweep:tpot_ms_p50:ab_ratio"]
     assert "6 pairs, interval 0.95..0.99; verdict FAIL" in gab["customBiggerIsBetter"][0]["extra"]
     assert run.verdicts().kind.tolist() == ["ab"] * 3
+
+
+def test_ab_table_shows_each_decision_with_its_comparison(tmp_path, capsys):
+    """The flag-A/B table (README, docs/results.md) is read from run files: one row per metric with the
+    base, the interval, the threshold, the verdict and what the comparison cost."""
+    ab = {"base": "variant sglang-cds4", "blocks": 4, "wall_s": 512.4, "stopped": "every gated metric decided",
+          "launches": [{"role": "base"}, {"role": "candidate"}] * 2, "versions": {"base": "0.5.17"},
+          "decisions": [
+              {"probe": "single_stream", "metric": "decode_tok_s", "unit": "tok/s", "direction": "higher",
+               "base": 800.0, "candidate": 760.0, "ratio": 0.95, "ratio_lo": 0.94, "ratio_hi": 0.96, "level": 0.9,
+               "threshold": 0.025, "n_pairs": 12, "verdict": "FAIL"},
+              {"probe": "top", "metric": "steady_output_throughput", "unit": "tok/s", "direction": "higher",
+               "base": 9000.0, "candidate": float("nan"), "ratio": float("nan"), "ratio_lo": float("nan"),
+               "ratio_hi": float("nan"), "level": 0.9, "threshold": 0.075, "n_pairs": 0,
+               "verdict": "INCONCLUSIVE"}]}
+    rec = {"nodeid": "t::ab", "key": {"scenario": "ab_throughput", "engine": "sglang", "model": "m",
+                                      "hardware": "gpu-h200-x1", "workload": "w", "concurrency": 128},
+           "samples": {}, "decisions": [], "ab": ab}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"profile": "p", "hardware": "h", "results": [rec, {"nodeid": "t::plain"}]}))
+    table = ab_table([RunResults.load(tmp_path)]).splitlines()
+    assert len(table) == 4  # header, rule, two decisions; a result without an A/B gives no row
+    assert table[2] == ("| sglang | variant sglang-cds4 | ab_throughput | decode_tok_s ↑ [tok/s] | 800 | 760 "
+                        "| 0.9500 [0.9400, 0.9600] (90%) | 2.5% | FAIL | 12 / 4 / 4 | 512 |")
+    assert "| n/a [n/a, n/a] (90%) | 7.5% | INCONCLUSIVE | 0 / 4 / 4 |" in table[3]
+    assert _cli(["ab-table", str(tmp_path), str(path)]) == 0
+    assert capsys.readouterr().out.count("| sglang |") == 4
+    with pytest.raises(SystemExit):
+        _cli(["ab-table", str(tmp_path / "missing")])
