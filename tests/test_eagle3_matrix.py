@@ -137,6 +137,10 @@ def test_new_options_leave_existing_digests_alone():
     assert cpu.digest() == "9b84de8d53f8"
     assert DataConfig(followups=2).digest() != DataConfig().digest()
     assert DataConfig(followups=2).generation_digest() == DataConfig().generation_digest()
+    # another generator's samples are other tokens: stored apart, and the recipe is another recipe
+    sg = DataConfig(generator="sglang")
+    assert sg.generation_digest() != DataConfig().generation_digest() and sg.digest() != DataConfig().digest()
+    assert DataConfig(generator="reference").digest() == DataConfig().digest()
 
 
 def test_followups_extend_training_conversations_only(monkeypatch):

@@ -40,6 +40,7 @@ from kimi_perf.suite.drafters import (
     DrafterHandle,
     Eagle3Runs,
     eagle3_server_configs,
+    generator_config,
     missing,
     planted_sglang_config,
 )
@@ -237,6 +238,23 @@ def test_vllm_plain_side_is_the_throughput_config_and_sglang_without_alignment_i
     no_align = dataclasses.replace(H200, alignment=dataclasses.replace(H200.alignment, engines=("reference",)))
     sg = eagle3_server_configs(eagle3(session(no_align)), TARGET, "sglang", Path("/d"), 3)
     assert not sg["plain"].return_hidden_states and sg["plain"] == engine_config(settings(session(no_align)), "sglang", TARGET)
+
+
+def test_the_recipe_generator_is_the_reference_engine_or_sglang():
+    """eagle3.recipe.data.generator picks the server that regenerates responses: the reference engine
+    batches to the recipe's concurrency, SGLang as the profile has it, vLLM (no /generate on token ids)
+    and an engine the profile lacks are usage errors naming the key."""
+    from kimi_perf.eagle3.data import DataConfig
+
+    e = eagle3(session())
+    ref = generator_config(e, DataConfig(concurrency=24), TARGET)
+    assert ref.kind == "reference" and ref.max_running_requests == 24
+    assert generator_config(e, DataConfig(generator="sglang"), TARGET) == engine_config(settings(session()), "sglang",
+                                                                                         TARGET)
+    with pytest.raises(pytest.UsageError, match=r"generator 'vllm' is a vllm engine.*reference engine or SGLang"):
+        generator_config(e, DataConfig(generator="vllm"), TARGET)
+    with pytest.raises(pytest.UsageError, match=r"eagle3.recipe.data.generator 'tgi' is not an engine"):
+        generator_config(e, DataConfig(generator="tgi"), TARGET)
 
 
 class FakePool:

@@ -60,6 +60,10 @@ class DataConfig:
     # variant at sample_temperature. Fixed per variant number (not spread over responses_per_prompt), so
     # growing responses_per_prompt keeps every stored sample's temperature.
     sample_temperatures: tuple[float, ...] = ()
+    # the profile engine whose SGLang-style /generate regenerates the responses: the reference engine by
+    # default (it runs on the CPU box); on a GPU, SGLang at high concurrency makes the >= 50K samples of a
+    # GPU recipe in minutes. vLLM has no /generate taking token ids, so it cannot be the generator.
+    generator: str = "reference"
 
     def __post_init__(self) -> None:
         if any(t <= 0 for t in self.sample_temperatures):
@@ -70,7 +74,7 @@ class DataConfig:
         """Identity of the selected dataset (which items, how generated)."""
         d = asdict(self)
         # added later: configs without them keep their digest (and cached and shipped drafters)
-        for key, default in (("followups", 0), ("sample_temperatures", ())):
+        for key, default in (("followups", 0), ("sample_temperatures", ()), ("generator", "reference")):
             if d[key] == default:
                 d.pop(key)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
@@ -81,6 +85,8 @@ class DataConfig:
         d = {k: getattr(self, k) for k in ("max_new_tokens", "max_prompt_tokens", "sample_temperature")}
         if self.sample_temperatures:
             d["sample_temperatures"] = list(self.sample_temperatures)
+        if self.generator != "reference":  # another engine's greedy tokens may differ: stored apart
+            d["generator"] = self.generator
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 

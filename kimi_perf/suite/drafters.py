@@ -138,8 +138,7 @@ def session_drafter(s: Eagle3Settings, target: TargetModel, pool: ServerPool) ->
             build_items(recipe.data)  # the recipe's prompt sources are on disk (setup fetches them)
         except FileNotFoundError as ex:
             missing(s, f"the drafter recipe's prompt data is missing: {ex}")
-        gen_cfg = engine_config(s.servers, "reference", target,
-                                max_running_requests=max(recipe.data.concurrency, 1))
+        gen_cfg = generator_config(s, recipe.data, target)
         # the generation server starts only if samples are missing (a cached drafter needs none)
         art = build_drafter(recipe, target.path, target.fingerprint,
                             gen_url=lambda: pool.get(gen_cfg).base_url, tokenizer=tok)
@@ -155,6 +154,23 @@ def session_drafter(s: Eagle3Settings, target: TargetModel, pool: ServerPool) ->
     _check_prompt_count(s, len(held_out), n_eval, "the recipe's held-out samples")
     return DrafterHandle(art.path, steps, tuple(tuple(p) for p in held_out), art.feature_dir, art.heldout_ids,
                          art.report)
+
+
+def generator_config(s: Eagle3Settings, data: Any, target: TargetModel) -> Any:
+    """The server that regenerates the recipe's responses (``eagle3.recipe.data.generator``, default the
+    reference engine): an engine whose ``/generate`` takes token ids and returns ``output_ids``, i.e. the
+    reference engine or SGLang. The reference engine batches up to the recipe's concurrency; SGLang's
+    scheduler takes what it is sent."""
+    name = data.generator
+    if name not in s.servers.engines:
+        raise pytest.UsageError(f"profile {s.servers.profile_path}: eagle3.recipe.data.generator {name!r} is not an "
+                                f"engine of the profile (engines: {', '.join(s.servers.engines)})")
+    kind = require_engine(s, name)
+    if kind not in ("reference", "sglang"):
+        raise pytest.UsageError(f"profile {s.servers.profile_path}: eagle3.recipe.data.generator {name!r} is a {kind} "
+                                "engine, which has no /generate taking token ids; use the reference engine or SGLang")
+    over = {"max_running_requests": max(data.concurrency, 1)} if kind == "reference" else {}
+    return engine_config(s.servers, name, target, **over)
 
 
 def _check_prompt_count(s: Eagle3Settings, have: int, want: int, where: str) -> None:
