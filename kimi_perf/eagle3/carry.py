@@ -109,7 +109,7 @@ def pack(samples: Path, out: Path, *, part_mib: float = 15.0, max_parts: int = 7
         raise CarryError(f"{len(lines)} samples need {len(blobs)} parts of {part_mib} MiB, over --max-parts "
                          f"{max_parts} (a device call returns at most 8 files): pack in several calls with "
                          "--only-new, each after the previous pack came back")
-    files = []
+    files: list[dict[str, Any]] = []
     for n, (blob, count) in enumerate(blobs):
         name = f"samples-{n:03d}.jsonl.xz"
         (out / name).write_bytes(blob)
