@@ -269,9 +269,7 @@ def markdown(doc: dict[str, Any]) -> str:
             counts = Counter((f"{t['plant']:g}", t["verdict"]) for t in e.get("trials", []) if not t.get("error"))
             per = "; ".join(f"{float(p):.0%}: {counts[(p, 'PASS')]}/{counts[(p, 'FAIL')]}/{counts[(p, 'INCONCLUSIVE')]}"
                             for p in sorted({p for p, _ in counts}, key=float))
-            sp = e["spec"]
-            lines.append(f"| {label} | threshold {sp['threshold']:.1%}, blocks {sp['min_blocks']}-{sp['max_blocks']}, "
-                         f"{_launches(sp)} | {e.get('servers', '?')} | {per} |")
+            lines.append(f"| {label} | {_policy(e)} | {e.get('servers', '?')} | {per} |")
         lines.append("")
     return "\n".join(lines) + "\n"
 
