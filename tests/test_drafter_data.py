@@ -79,6 +79,21 @@ def test_a_follow_up_turn_waits_only_for_its_own_conversation(tok, scripted_serv
     assert by["b-t2"]["t_in"] >= by["b-t1"]["t_out"]
 
 
+def test_a_deadline_stops_new_requests_and_the_next_call_resumes(tok, scripted_server, tmp_path):
+    """A device call has ten minutes: past the deadline no request starts, those in flight are stored,
+    and the next call makes only the rest (nothing twice)."""
+    from kimi_perf.eagle3.data import DataConfig, PromptItem, generate_samples
+
+    url, log = scripted_server
+    items = [PromptItem(id=f"c{i}-t1", conv_id=f"c{i}", source="sharegpt", split="train", turn=1,
+                        turns=(f"SLOW: item {i}.",)) for i in range(6)]
+    out = tmp_path / "samples.jsonl"
+    first = generate_samples(url, tok, items, out, DataConfig(concurrency=2), deadline=time.monotonic() + 1.0)
+    assert 1 <= len(first) < 6 and len(log) == len(first)  # what started finished and was stored
+    second = generate_samples(url, tok, items, out, DataConfig(concurrency=2))
+    assert set(second) == {i.id for i in items} and len(log) == 6
+
+
 def _fake_sdist(tmp_path, rows):
     import io
     import tarfile
