@@ -127,7 +127,10 @@ def fetch_instructlab(dest: Path | None = None, *, sdist: Path | None = None) ->
         return out
     with tempfile.TemporaryDirectory() as td:
         if sdist is None:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
+            # pip reads an sdist's version by preparing its metadata. Build isolation stays on: without it
+            # pip uses this environment's setuptools, and where setuptools_scm is missing instructlab's
+            # metadata says 0.0.0 and pip refuses the download ("inconsistent version")
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                    "--quiet", "-d", td, INSTRUCTLAB_SDIST]
             print(f"[kimi-perf] fetching prompt data: {' '.join(cmd)}", file=sys.stderr, flush=True)
             subprocess.run(cmd, check=True)
