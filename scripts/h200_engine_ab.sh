@@ -15,6 +15,11 @@
 # installed, waits on it and hands back what it has. The job runs one pytest session per A/B
 # (`--perf-ab same`, then each of the engine's variants) and skips those already done, so a call that
 # ends mid-way loses nothing; a machine given back loses /tmp (parts and installs): stage again.
+# TASK=generate runs the drafter recipe's data stage instead of the A/Bs (ENGINE=sglang): the samples
+# of earlier leases (packs under .carry/samples/, from `merge`) are unpacked first, then
+# `python -m kimi_perf.eagle3.generate --profile $GEN_PROFILE` (default h200-embedded) makes the missing
+# ones with SGLang until GEN_S seconds (default 1200) and packs what this lease made; `merge` files the
+# pack under .carry/samples/ for the next lease (docs/eagle3.md, "Data across leases").
 # Environment: ENGINE (sglang|vllm), VARIANTS (default: same and the profile's variants of ENGINE),
 # PYTEST_ARGS (extra pytest arguments, e.g. "-k throughput" when only speed fits the lease),
 # WAIT (seconds this call waits on the job, default 480), RESTART=1 (start the ended job again), WH (wheelhouse folder here, default
@@ -104,6 +109,15 @@ device)
   [ "$ready" = 1 ] || { echo "not all wheelhouses are installed: stage the next missing part"; exit 0; }
   printf '#!/bin/sh\nexport PYTHONPATH=/tmp/site-%s${PYTHONPATH:+:$PYTHONPATH}\nexec python3 "$@"\n' "$engine" \
     > "/tmp/$engine-python" && chmod +x "/tmp/$engine-python"
+  if [ "${TASK:-ab}" = generate ]; then
+    if [ ! -f /tmp/kimi-lease/gen/state.json ]; then
+      nproc; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+      python3 scripts/gpu_lease.py start gen -- bash scripts/h200_engine_ab.sh genjob
+    fi
+    python3 scripts/gpu_lease.py wait gen --max-s "${WAIT:-480}" --every 60
+    python3 scripts/gpu_lease.py collect gen "$OUT" samples-pack generate-summary.json
+    exit 0
+  fi
   # RESTART=1 starts the job again on this machine (it skips the A/Bs that ran), e.g. after a usage error
   if [ ! -f "/tmp/kimi-lease/ab-$engine/state.json" ] || [ "${RESTART:-0}" = 1 ]; then
     nproc; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
@@ -140,8 +154,30 @@ job)  # runs under gpu_lease in its copy of the tree: one pytest session per A/B
   done
   echo "[job] all done"
   ;;
+genjob)  # runs under gpu_lease: the data stage of the recipe, with the samples of earlier leases first
+  export PYTHONPATH=/tmp/site-model${PYTHONPATH:+:$PYTHONPATH}
+  only=()
+  for d in .carry/samples/*/; do
+    [ -f "$d/MANIFEST.json" ] || continue
+    python3 -m kimi_perf.eagle3.carry unpack "$d" || exit
+    only+=(--only-new "$d")
+  done
+  python3 -m kimi_perf.eagle3.generate --profile "${GEN_PROFILE:-h200-embedded}" --engine-python /tmp/sglang-python \
+    --max-s "${GEN_S:-1200}" --log-dir perf-report/generate --pack samples-pack "${only[@]}" > generate-summary.json
+  rc=$?
+  cat generate-summary.json
+  exit $rc
+  ;;
 merge)
   src=${2:?give the call\'s files_at folder}
+  if [ -f "$src/gen/samples-pack/MANIFEST.json" ]; then  # a data-stage lease: keep its pack for the next one
+    n=$(ls -d .carry/samples/*/ 2>/dev/null | wc -l)
+    mkdir -p .carry/samples && cp -r "$src/gen/samples-pack" ".carry/samples/$(printf %03d "$n")"
+    mkdir -p benchmarks/h200-drafter-lease/3-data
+    cp "$src/gen/job.log" "benchmarks/h200-drafter-lease/3-data/$(date -u +%Y%m%dT%H%M)-job.log"
+    cp "$src/gen/generate-summary.json" "benchmarks/h200-drafter-lease/3-data/$(date -u +%Y%m%dT%H%M)-summary.json" 2>/dev/null
+    ls .carry/samples; exit 0
+  fi
   lease=benchmarks/h200-engines-lease/ab
   mkdir -p "$lease"
   for d in "$src"/ab-*/; do
@@ -150,5 +186,5 @@ merge)
   done
   ls "$lease"
   ;;
-*) echo "usage: $0 prepare ENGINE|stage NAME INDEX|device|job|merge FILES_AT" >&2; exit 2 ;;
+*) echo "usage: $0 prepare ENGINE|stage NAME INDEX|device|job|genjob|merge FILES_AT" >&2; exit 2 ;;
 esac
