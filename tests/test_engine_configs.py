@@ -75,7 +75,7 @@ def sglang_variants():
             # the H200 launch on 0.5.17: every flag it renders exists in 0.5.23 too
             SGLangConfig(**base, version="0.5.17", spec=spec, return_hidden_states=True,
                          attention_backend="triton", sampling_backend="pytorch", mem_fraction_static=0.3,
-                         cuda_graph_max_bs_decode=8)]
+                         cuda_graph_max_bs_decode=8, sleep_on_idle=True)]
 
 
 def vllm_variants():

@@ -144,6 +144,11 @@ class SGLangConfig(EngineConfig):
     disable_cuda_graph: bool = False
     num_continuous_decode_steps: int | None = None
     disable_custom_all_reduce: bool = False
+    # --sleep-on-idle: without it an idle SGLang scheduler loops without sleeping (0.5.17/0.5.23
+    # Scheduler.maybe_sleep_on_idle is a no-op unless ServerArgs.sleep_on_idle). In a same-run A/B the
+    # side not being measured is idle, so its spinning scheduler takes a host CPU from the side that is
+    # (docs/ab-gate.md, "SGLang on one GPU")
+    sleep_on_idle: bool = False
     enable_metrics: bool = True
     spec: SpecConfig | None = None
     return_hidden_states: bool = False
@@ -203,6 +208,8 @@ class SGLangConfig(EngineConfig):
             a += ["--num-continuous-decode-steps", str(self.num_continuous_decode_steps)]
         if self.disable_custom_all_reduce:
             a.append("--disable-custom-all-reduce")
+        if self.sleep_on_idle:
+            a.append("--sleep-on-idle")
         if self.enable_metrics:
             a.append("--enable-metrics")
         if self.spec is not None:
