@@ -78,6 +78,9 @@ _ALL = [
        "user+system CPU time of the server's whole process group during a repeat / its output tokens "
        "(from /proc; steal time is not charged to it)"),
     _m("host_steal_fraction", "fraction", "lower", "host CPU steal time / all CPU time during a repeat (/proc/stat)"),
+    _m("peer_cpu_util", "cores", "lower",
+       "CPU seconds of the other A/B side's server (waiting while this side is measured) / the repeat's "
+       "wall seconds (from /proc)"),
     _m("server_ready_s", "s", "lower", "launch to first healthy /health answer of a server"),
     # latency objectives (kimi_perf.load.slo; vLLM's --goodput definition)
     _m("request_goodput", "req/s", "higher",

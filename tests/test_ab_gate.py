@@ -509,10 +509,14 @@ def test_pairs_per_probe_and_a_probe_retired_once_its_metrics_passed(tmp_path, m
     warmed: list = []
     real_measure = runner.measure_repeat
 
-    def measure(server, workload, prompts, *, label="", max_error_rate=0.02):
+    peers: list = []
+
+    def measure(server, workload, prompts, *, label="", max_error_rate=0.02, peer=None):
         if "warm-up" in label:
             warmed.append(label)
-        return real_measure(server, workload, prompts, label=label, max_error_rate=max_error_rate)
+        else:
+            peers.append((server, peer))
+        return real_measure(server, workload, prompts, label=label, max_error_rate=max_error_rate, peer=peer)
 
     monkeypatch.setattr(runner, "measure_repeat", measure)
     spec = ABSpec(min_blocks=2, max_blocks=6, repeats_per_block=1, repeats={"top": 2}, blocks_per_launch=1,
@@ -526,6 +530,9 @@ def test_pairs_per_probe_and_a_probe_retired_once_its_metrics_passed(tmp_path, m
     # blocks 1-2 warmed up both probes on both sides, blocks 3-4 only c2
     assert len(warmed) == 8 + 4 and not any("single_stream" in x for x in warmed[8:])
     assert out.to_json()["retired"] == {"single_stream": 2}
+    # every measured repeat also reads the waiting side's CPU use (peer_cpu_util)
+    assert peers and all(p is not None and p is not s for s, p in peers)
+    assert all("peer_cpu_util" in pr.base and "peer_cpu_util" in pr.candidate for pr in out.pairs)
 
 
 def test_pairs_per_probe_are_validated():

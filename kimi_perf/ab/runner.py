@@ -153,20 +153,31 @@ _FIX = {
 }
 
 
+def _pgid(server: RunningServer | None) -> int | None:
+    if server is None or server.process is None or server.process.pid is None:
+        return None
+    try:
+        return os.getpgid(server.process.pid)
+    except ProcessLookupError:
+        return None
+
+
 def measure_repeat(server: RunningServer, workload: Workload, prompts: Sequence[Sequence[int]],
-                   *, label: str = "", max_error_rate: float = 0.02) -> dict[str, float]:
-    """One repeat with the engine's CPU time and the host's steal fraction next to the client's metrics."""
-    pgid = None
-    if server.process is not None and server.process.pid is not None:
-        try:
-            pgid = os.getpgid(server.process.pid)
-        except ProcessLookupError:
-            pgid = None
+                   *, label: str = "", max_error_rate: float = 0.02, peer: RunningServer | None = None
+                   ) -> dict[str, float]:
+    """One repeat with the engine's CPU time and the host's steal fraction next to the client's metrics.
+    ``peer``: the other A/B side's server, idle meanwhile; its CPU use (``peer_cpu_util``, in cores)
+    shows a waiting engine that spins next to the measured one (SGLang without --sleep-on-idle)."""
+    pgid, peer_pgid = _pgid(server), _pgid(peer)
     cpu = ProcessTreeCPU.begin(pgid) if pgid is not None else None
+    peer_cpu = ProcessTreeCPU.begin(peer_pgid) if peer_pgid is not None else None
     h0 = host_cpu()
+    t0 = time.monotonic()
     res = run_workload(server.base_url, server.model, prompts, workload, warmup_prompts=[], headers=server.headers)
+    wall = time.monotonic() - t0
     h1 = host_cpu()
     cpu_s = cpu.elapsed() if cpu is not None else None
+    peer_s = peer_cpu.elapsed() if peer_cpu is not None else None
     # a stray failed stream among a C=128 batch (e.g. random-weight output that detokenises to no
     # text) is counted, not fatal; a server that fails requests in earnest still stops the comparison
     check_errors(server, res, label, max_error_rate)
@@ -175,6 +186,8 @@ def measure_repeat(server: RunningServer, workload: Workload, prompts: Sequence[
     m["engine_cpu_ms_per_tok"] = cpu_s / toks * 1000 if (cpu_s is not None and toks) else float("nan")
     steal = h1.steal_fraction_since(h0) if (h0 is not None and h1 is not None) else None
     m["host_steal_fraction"] = float("nan") if steal is None else steal
+    if peer is not None:
+        m["peer_cpu_util"] = peer_s / wall if (peer_s is not None and wall > 0) else float("nan")
     return m
 
 
@@ -261,7 +274,8 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
 
     def one(role: str, probe: Probe, prompts: Sequence[Sequence[int]]) -> dict[str, float]:
         try:
-            return measure_repeat(running[role], probe.workload, prompts, label=f"A/B {role} {probe.name}")
+            other = running.get("candidate" if role == "base" else "base")
+            return measure_repeat(running[role], probe.workload, prompts, label=f"A/B {role} {probe.name}", peer=other)
         except BenchFailure as e:
             out.error = f"{role} failed during measurement: {e}"
             raise ABSideError(role, sides[role].label, f"requests failed: {e}", _FIX[role], out) from None
