@@ -127,6 +127,12 @@ device)
   printf '#!/bin/sh\nexport PYTHONPATH=/tmp/site-%s${PYTHONPATH:+:$PYTHONPATH}\nexec python3 "$@"\n' "$engine" \
     > "/tmp/$engine-python" && chmod +x "/tmp/$engine-python"
   if [ "${TASK:-ab}" = generate ]; then
+    # the job copies this call's tree: its prompt data and earlier packs must be here. Packs and a
+    # wheelhouse part together can pass 64 MiB, so staging calls carry [".whl"] and the call after the
+    # last part carries [".carry"]
+    if [ ! -f /tmp/kimi-lease/gen/state.json ] && [ ! -d .carry/data ]; then
+      echo "staged; start the generate job with a call that carries [\".carry\"] (prepare-data made it)"; exit 0
+    fi
     if [ ! -f /tmp/kimi-lease/gen/state.json ]; then
       nproc; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
       python3 scripts/gpu_lease.py start gen -- bash scripts/h200_engine_ab.sh genjob
