@@ -61,8 +61,8 @@ class DataConfig:
     # growing responses_per_prompt keeps every stored sample's temperature.
     sample_temperatures: tuple[float, ...] = ()
     # the profile engine whose SGLang-style /generate regenerates the responses: the reference engine by
-    # default (it runs on the CPU box); on a GPU, SGLang at high concurrency makes the >= 50K samples of a
-    # GPU recipe in minutes. vLLM has no /generate taking token ids, so it cannot be the generator.
+    # default (it runs on the CPU box); on a GPU, SGLang at high concurrency, where the reference engine
+    # made only 5.4-5.8K response tok/s (docs/eagle3.md). vLLM has no /generate taking token ids.
     generator: str = "reference"
 
     def __post_init__(self) -> None:
