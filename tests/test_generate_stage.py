@@ -53,7 +53,8 @@ def test_the_data_stage_generates_packs_and_resumes(tmp_path, monkeypatch):
 
 
 def test_a_generator_without_token_id_generate_is_refused(tmp_path, capsys):
-    with pytest.raises(SystemExit, match="generator 'vllm' must name a reference or SGLang engine"):
+    with pytest.raises(SystemExit, match=r"eagle3.recipe.data.generator 'vllm' is a vllm engine, which has no "
+                                         r"/generate taking token ids; use the reference engine or SGLang"):
         run(str(_profile(tmp_path, generator="vllm")), model_dir=tmp_path)
     with pytest.raises(SystemExit):
         _cli(["--profile", "x", "--max-s", "0"])

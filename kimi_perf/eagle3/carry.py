@@ -50,15 +50,15 @@ def _cache_tail(path: Path) -> str | None:
 
 
 def _lines(path: Path) -> list[tuple[str, bytes]]:
-    """(id, line) of every complete sample line, in file order (a torn last line is left out)."""
+    """(id, line) of every complete sample line, in file order (a torn last line is left out). The raw
+    lines, not parsed samples, so a part holds the bytes the generator wrote."""
+    from .data import complete_lines
+
     out = []
-    for line in path.read_bytes().splitlines(keepends=True):
-        if not line.endswith(b"\n"):
+    for line, d in complete_lines(path.read_bytes()):
+        if not isinstance(d, dict) or "id" not in d:
             break
-        try:
-            out.append((str(json.loads(line)["id"]), line))
-        except (json.JSONDecodeError, KeyError, TypeError):
-            break
+        out.append((str(d["id"]), line))
     return out
 
 
@@ -148,11 +148,10 @@ def unpack(dirs: Sequence[Path], *, cache: Path | None = None, into: Path | None
                 raise CarryError(f"{d / f['file']}: sha256 differs from {MANIFEST} (a part broke on the way: fetch it "
                                  "again)")
             blobs.append(blob)
-        have = {i for i, _ in _lines(dest)} if dest.is_file() else set()
-        if dest.is_file():
-            from .data import read_samples
+        from .data import read_samples
 
-            read_samples(dest)  # truncates a torn last line, so appended lines start on a line of their own
+        # read_samples also truncates a torn last line, so appended lines start on a line of their own
+        have = set(read_samples(dest))
         dest.parent.mkdir(parents=True, exist_ok=True)
         n = 0
         with dest.open("ab") as fh:

@@ -23,7 +23,7 @@ import asyncio
 import hashlib
 import json
 import os
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -31,8 +31,12 @@ from typing import Any
 from ..data import Conversation, load_instructlab, load_mtbench, load_sharegpt, load_sharegpt_v3, stable_split
 from ..progress import log
 
-__all__ = ["FOLLOWUPS", "DataConfig", "Generate", "PromptItem", "Sample", "build_items", "generate_samples", "read_samples",
+__all__ = ["FOLLOWUPS", "GENERATOR_KINDS", "DataConfig", "Generate", "PromptItem", "Sample", "build_items", "complete_lines", "generate_samples", "read_samples",
            "sampling_params"]
+
+
+# engine kinds whose /generate takes token ids and returns output_ids (DataConfig.generator)
+GENERATOR_KINDS = ("reference", "sglang")
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,15 @@ class DataConfig:
     # default (it runs on the CPU box); on a GPU, SGLang at high concurrency, where the reference engine
     # made only 5.4-5.8K response tok/s (docs/eagle3.md). vLLM has no /generate taking token ids.
     generator: str = "reference"
+
+    def generator_overrides(self, kind: str) -> dict[str, Any]:
+        """Settings the generator engine of ``kind`` is launched with; ValueError for a kind that cannot
+        generate. The reference engine batches to the recipe's concurrency; SGLang's scheduler takes
+        what it is sent."""
+        if kind not in GENERATOR_KINDS:
+            raise ValueError(f"generator {self.generator!r} is a {kind} engine, which has no /generate taking "
+                             "token ids; use the reference engine or SGLang")
+        return {"max_running_requests": max(self.concurrency, 1)} if kind == "reference" else {}
 
     def __post_init__(self) -> None:
         if any(t <= 0 for t in self.sample_temperatures):
@@ -198,6 +211,18 @@ def build_items(cfg: DataConfig) -> list[PromptItem]:
     return items
 
 
+def complete_lines(raw: bytes) -> Iterator[tuple[bytes, dict[str, Any]]]:
+    """(line, parsed JSON) of a samples file's complete lines, in order, up to the first one that is torn
+    (a write killed mid-line) or not JSON."""
+    for line in raw.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            return
+        try:
+            yield line, json.loads(line)
+        except json.JSONDecodeError:
+            return
+
+
 def read_samples(path: Path) -> dict[str, Sample]:
     """Samples already generated. A torn last line (killed mid-write) is truncated away."""
     out: dict[str, Sample] = {}
@@ -205,13 +230,7 @@ def read_samples(path: Path) -> dict[str, Sample]:
         return out
     raw = path.read_bytes()
     good_end = 0
-    for line in raw.splitlines(keepends=True):
-        if not line.endswith(b"\n"):
-            break
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError:
-            break
+    for line, d in complete_lines(raw):
         out[d["id"]] = Sample(**d)
         good_end += len(line)
     if good_end != len(raw):

@@ -51,9 +51,13 @@ def run(profile: str, *, engine_python: str | None = None, max_s: float | None =
         recipe = replace(recipe, data=replace(recipe.data, concurrency=concurrency))
     gen = recipe.data.generator
     raw = (prof.get("engines") or {}).get(gen)
-    if raw is None or raw.get("kind") not in ("reference", "sglang"):
-        raise SystemExit(f"profile {profile}: eagle3.recipe.data.generator {gen!r} must name a reference or SGLang "
-                         f"engine of the profile (engines: {', '.join(prof.get('engines') or {})})")
+    if raw is None:
+        raise SystemExit(f"profile {profile}: eagle3.recipe.data.generator {gen!r} is not an engine of the profile "
+                         f"(engines: {', '.join(prof.get('engines') or {})})")
+    try:
+        over = recipe.data.generator_overrides(str(raw.get("kind")))
+    except ValueError as e:
+        raise SystemExit(f"profile {profile}: eagle3.recipe.data.{e}") from None
     if model_dir is None:
         em = ensure_embedded_model()
         target, name = em.path, em.name
@@ -63,13 +67,13 @@ def run(profile: str, *, engine_python: str | None = None, max_s: float | None =
     samples_path = data_dir / "samples.jsonl"
     items = build_items(recipe.data)
     before = read_samples(samples_path)
-    todo = [i for i in items if i.id not in before]
-    log(f"generate: {len(items)} samples in the recipe, {len(items) - len(todo)} present in {samples_path}, "
+    now = {i.id: before[i.id] for i in items if i.id in before}
+    todo = [i for i in items if i.id not in now]
+    log(f"generate: {len(items)} samples in the recipe, {len(now)} present in {samples_path}, "
         f"{len(todo)} to make" + (f" within {max_s:.0f}s" if max_s else ""))
-    made = 0
     if todo:
-        over: dict[str, Any] = ({"max_running_requests": max(recipe.data.concurrency, 1), "load_format": "auto"}
-                                if raw["kind"] == "reference" else {})
+        if raw["kind"] == "reference":
+            over["load_format"] = "auto"
         try:
             cfg = build_engine_config(gen, raw, model_path=str(target), served_model_name=name,
                                       python=engine_python, overrides=over, source=f"profile {profile}")
@@ -80,14 +84,12 @@ def run(profile: str, *, engine_python: str | None = None, max_s: float | None =
         try:
             tok = AutoTokenizer.from_pretrained(str(target))
             # the launch counts against the deadline: what is left of it goes to generation
-            after = generate_samples(proc.base_url, tok, items, samples_path, recipe.data, deadline=deadline)
+            now = generate_samples(proc.base_url, tok, items, samples_path, recipe.data, deadline=deadline)
         finally:
             proc.stop()
-        made = len(after) - len([i for i in items if i.id in before])
-    now = read_samples(samples_path)
     mine = [now[i.id] for i in todo if i.id in now]
     summary = {"profile": profile, "generator": gen, "samples_path": str(samples_path), "wanted": len(items),
-               "present": sum(1 for i in items if i.id in now), "made": made,
+               "present": len(now), "made": len(mine),
                "made_response_tokens": sum(len(s.response_ids) for s in mine),
                "seconds": round(time.monotonic() - t0, 1)}
     if pack_dir is not None and samples_path.is_file():

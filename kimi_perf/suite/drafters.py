@@ -158,18 +158,15 @@ def session_drafter(s: Eagle3Settings, target: TargetModel, pool: ServerPool) ->
 
 def generator_config(s: Eagle3Settings, data: Any, target: TargetModel) -> Any:
     """The server that regenerates the recipe's responses (``eagle3.recipe.data.generator``, default the
-    reference engine): an engine whose ``/generate`` takes token ids and returns ``output_ids``, i.e. the
-    reference engine or SGLang. The reference engine batches up to the recipe's concurrency; SGLang's
-    scheduler takes what it is sent."""
+    reference engine), launched with :meth:`~kimi_perf.eagle3.data.DataConfig.generator_overrides`."""
     name = data.generator
     if name not in s.servers.engines:
         raise pytest.UsageError(f"profile {s.servers.profile_path}: eagle3.recipe.data.generator {name!r} is not an "
                                 f"engine of the profile (engines: {', '.join(s.servers.engines)})")
-    kind = require_engine(s, name)
-    if kind not in ("reference", "sglang"):
-        raise pytest.UsageError(f"profile {s.servers.profile_path}: eagle3.recipe.data.generator {name!r} is a {kind} "
-                                "engine, which has no /generate taking token ids; use the reference engine or SGLang")
-    over = {"max_running_requests": max(data.concurrency, 1)} if kind == "reference" else {}
+    try:
+        over = data.generator_overrides(require_engine(s, name))
+    except ValueError as e:
+        raise pytest.UsageError(f"profile {s.servers.profile_path}: eagle3.recipe.data.{e}") from None
     return engine_config(s.servers, name, target, **over)
 
 
