@@ -22,7 +22,8 @@
 # ones with SGLang until GEN_S seconds (default 1200) and packs what this lease made; `merge` files the
 # pack under .carry/samples/ for the next lease (docs/eagle3.md, "Data across leases").
 # Environment: ENGINE (sglang|vllm), VARIANTS (default: same and the profile's variants of ENGINE),
-# PYTEST_ARGS (extra pytest arguments, e.g. "-k throughput" when only speed fits the lease),
+# NEXT_VARIANTS (replaces the list of the running job from its next A/B on; NAME@key=json,... runs
+# NAME with those ab-policy overrides, e.g. same@pin_cpus=true), PYTEST_ARGS (extra pytest arguments, e.g. "-k throughput" when only speed fits the lease),
 # WAIT (seconds this call waits on the job, default 480), RESTART=1 (start the ended job again), WH (wheelhouse folder here, default
 # /work/wheelhouse; keep it outside the repository).
 set -u
@@ -151,20 +152,50 @@ device)
     ENGINE=$engine VARIANTS="${VARIANTS:-$(variants_of "$engine")}" PYTEST_ARGS="${PYTEST_ARGS:-}" \
       python3 scripts/gpu_lease.py start "ab-$engine" -- bash scripts/h200_engine_ab.sh job
   fi
+  if [ -n "${NEXT_VARIANTS:-}" ]; then  # the running job takes this list before its next A/B
+    echo "$NEXT_VARIANTS" > "/tmp/kimi-lease/ab-$engine/variants"; echo "next A/Bs: $NEXT_VARIANTS"
+  fi
   python3 scripts/gpu_lease.py wait "ab-$engine" --max-s "${WAIT:-480}" --every 60
   python3 scripts/gpu_lease.py collect "ab-$engine" "$OUT" ab-reports.tgz
   ;;
 job)  # runs under gpu_lease in its copy of the tree: one pytest session per A/B, resumable
   engine=${ENGINE:?}
   export PYTHONPATH=/tmp/site-model${PYTHONPATH:+:$PYTHONPATH}
-  for v in ${VARIANTS:?}; do
-    rep=perf-report/ab-$engine-$v
-    if [ -f "$rep/rc" ]; then echo "[job] $engine $v: done before (rc $(cat "$rep/rc"))"; continue; fi
+  # A/Bs to run, in order. A variant may carry ab-policy overrides for its session, NAME@key=json[,...]
+  # (e.g. same@pin_cpus=true): the profile is copied with them into the report folder. A later call can
+  # replace the list of a running job (NEXT_VARIANTS): the job reads it before each A/B, so what runs
+  # next can follow what the last one showed without stopping the job
+  vfile=/tmp/kimi-lease/ab-$engine/variants
+  tried=" "
+  while :; do
+    list=$VARIANTS; [ -s "$vfile" ] && list=$(cat "$vfile")
+    v=""
+    for x in $list; do
+      slug=${x//[@=,]/-}
+      [ -f "perf-report/ab-$engine-$slug/rc" ] && continue
+      case "$tried" in *" $x "*) continue ;; esac
+      v=$x; break
+    done
+    [ -n "$v" ] || break
+    tried="$tried$v "
+    rep=perf-report/ab-$engine-$slug
     mkdir -p "$rep"
-    echo "[job] $engine --perf-ab $v: start ($(date -u +%H:%M:%S))"
+    prof=h200-engines base=${v%%@*}
+    if [ "$base" != "$v" ]; then
+      prof=$rep/profile/h200-engines.json; mkdir -p "$rep/profile"
+      python3 - "${v#*@}" "$prof" <<'PY' || { echo "[job] $v: bad overrides"; continue; }
+import json, sys
+p = json.load(open("profiles/h200-engines.json"))
+for kv in sys.argv[1].split(","):
+    k, v = kv.split("=", 1)
+    p["ab"][k] = json.loads(v)
+json.dump(p, open(sys.argv[2], "w"), indent=1)
+PY
+    fi
+    echo "[job] $engine --perf-ab $base ($v): start ($(date -u +%H:%M:%S))"
     # shellcheck disable=SC2086  # PYTEST_ARGS is a list of arguments
-    python3 -m pytest -m ab -p no:cacheprovider --perf-profile h200-engines --perf-engine "$engine" \
-      --perf-ab "$v" "--perf-$engine-python" "/tmp/$engine-python" --perf-drafter "$DRAFTER" \
+    python3 -m pytest -m ab -p no:cacheprovider --perf-profile "$prof" --perf-engine "$engine" \
+      --perf-ab "$base" "--perf-$engine-python" "/tmp/$engine-python" --perf-drafter "$DRAFTER" \
       --perf-report-dir "$rep" --perf-history off ${PYTEST_ARGS:-} -rA 2>&1 | tee "$rep/pytest.log"
     rc=${PIPESTATUS[0]}
     echo "[job] $engine $v: exit $rc ($(date -u +%H:%M:%S))"
@@ -173,7 +204,7 @@ job)  # runs under gpu_lease in its copy of the tree: one pytest session per A/B
     case "$rc" in 0|1) echo "$rc" > "$rep/rc" ;; *) echo "$rc" > "$rep/rc-not-done" ;; esac
     # what comes back: summaries, run files and pytest logs (server logs stay: they are large)
     tar czf ab-reports.tgz perf-report/ab-*/summary.md perf-report/ab-*/run.json perf-report/ab-*/pytest.log \
-      perf-report/ab-*/rc* 2>/dev/null
+      perf-report/ab-*/rc* perf-report/ab-*/profile 2>/dev/null
   done
   echo "[job] all done"
   ;;
@@ -207,7 +238,8 @@ merge)
     cp "$src/gen/generate-summary.json" "benchmarks/h200-drafter-lease/3-data/$(date -u +%Y%m%dT%H%M)-summary.json" 2>/dev/null
     ls .carry/samples; exit 0
   fi
-  lease=benchmarks/h200-engines-lease/ab
+  # one folder per commit measured: a later lease of other code does not overwrite the last one's files
+  lease=benchmarks/h200-engines-lease/ab/$(cut -c1-7 .carry/COMMIT)
   mkdir -p "$lease"
   for d in "$src"/ab-*/; do
     [ -f "$d/ab-reports.tgz" ] && tar xzf "$d/ab-reports.tgz" -C "$lease" --strip-components 1
