@@ -34,9 +34,23 @@ import numpy as np
 
 from .decide import pair_log_ratio
 
-__all__ = ["aa_bias", "pair_log_ratios", "second_launch_effect", "variance_components"]
+__all__ = ["aa_bias", "flat_pairs", "pair_log_ratios", "second_launch_effect", "variance_components"]
 
 LEVELS = ("trial", "launch", "block")
+
+
+def flat_pairs(pairs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The pairs of one run file's A/B (``results[].ab.pairs``: each side's metrics under ``base`` and
+    ``candidate``) in the power study's flat form (``base_<metric>``, ``candidate_<metric>``), so the
+    estimators here read a single gated job as they read a study's trials."""
+    out = []
+    for p in pairs:
+        q = {k: v for k, v in p.items() if k not in ("base", "candidate")}
+        for side in ("base", "candidate"):
+            for k, v in (p.get(side) or {}).items():
+                q[f"{side}_{k}"] = v
+        out.append(q)
+    return out
 
 
 def pair_log_ratios(trials: Sequence[Mapping[str, Any]], probe: str, metric: str) -> list[dict[str, Any]]:
