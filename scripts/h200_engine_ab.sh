@@ -23,9 +23,11 @@
 # pack under .carry/samples/ for the next lease (docs/eagle3.md, "Data across leases").
 # Environment: ENGINE (sglang|vllm), VARIANTS (default: same and the profile's variants of ENGINE),
 # NEXT_VARIANTS (replaces the list of the running job from its next A/B on; NAME@key=json,... runs
-# NAME with those ab-policy overrides, e.g. same@pin_cpus=true), PYTEST_ARGS (extra pytest arguments, e.g. "-k throughput" when only speed fits the lease),
-# WAIT (seconds this call waits on the job, default 480), RESTART=1 (start the ended job again), WH (wheelhouse folder here, default
-# /work/wheelhouse; keep it outside the repository).
+# NAME with those profile overrides, e.g. same@pin_cpus=true or same@engines.sglang.sleep_on_idle=false),
+# PYTEST_ARGS (extra pytest arguments, shell-quoted: "-k 'accept_length or alignment'"; "-k throughput"
+# when only speed fits the lease), WAIT (seconds this call waits on the job, default 480), RESTART=1
+# (start the ended job again), WH (wheelhouse folder here, default /work/wheelhouse; keep it outside the
+# repository).
 set -u
 cmd=${1:-device}
 WH=${WH:-/work/wheelhouse}
@@ -161,8 +163,11 @@ device)
 job)  # runs under gpu_lease in its copy of the tree: one pytest session per A/B, resumable
   engine=${ENGINE:?}
   export PYTHONPATH=/tmp/site-model${PYTHONPATH:+:$PYTHONPATH}
-  # A/Bs to run, in order. A variant may carry ab-policy overrides for its session, NAME@key=json[,...]
-  # (e.g. same@pin_cpus=true): the profile is copied with them into the report folder. A later call can
+  # the prompt data of the accept-length and alignment A/Bs (MT-bench): the runner fetches nothing
+  mkdir -p "$KIMI_PERF_CACHE/data" && cp -n .carry/data/*.json* "$KIMI_PERF_CACHE/data/" 2>/dev/null
+  # A/Bs to run, in order. A variant may carry profile overrides for its session, NAME@key=json[,...]:
+  # a bare key is the ab policy's (same@pin_cpus=true), a dotted one a path from the top
+  # (same@engines.sglang.sleep_on_idle=false); the profile is copied with them into the report folder. A later call can
   # replace the list of a running job (NEXT_VARIANTS): the job reads it before each A/B, so what runs
   # next can follow what the last one showed without stopping the job
   vfile=/tmp/kimi-lease/ab-$engine/variants
@@ -188,15 +193,20 @@ import json, sys
 p = json.load(open("profiles/h200-engines.json"))
 for kv in sys.argv[1].split(","):
     k, v = kv.split("=", 1)
-    p["ab"][k] = json.loads(v)
+    # a bare key is the ab policy's; a dotted one a path from the top (engines.sglang.sleep_on_idle)
+    *up, last = k.split(".") if "." in k else ["ab", k]
+    d = p
+    for part in up:
+        d = d[part]
+    d[last] = json.loads(v)
 json.dump(p, open(sys.argv[2], "w"), indent=1)
 PY
     fi
     echo "[job] $engine --perf-ab $base ($v): start ($(date -u +%H:%M:%S))"
-    # shellcheck disable=SC2086  # PYTEST_ARGS is a list of arguments
+    eval "extra=(${PYTEST_ARGS:-})"  # shell words, so a -k expression may hold spaces
     python3 -m pytest -m ab -p no:cacheprovider --perf-profile "$prof" --perf-engine "$engine" \
       --perf-ab "$base" "--perf-$engine-python" "/tmp/$engine-python" --perf-drafter "$DRAFTER" \
-      --perf-report-dir "$rep" --perf-history off ${PYTEST_ARGS:-} -rA 2>&1 | tee "$rep/pytest.log"
+      --perf-report-dir "$rep" --perf-history off "${extra[@]}" -rA 2>&1 | tee "$rep/pytest.log"
     rc=${PIPESTATUS[0]}
     echo "[job] $engine $v: exit $rc ($(date -u +%H:%M:%S))"
     # done when its tests ran (0: passed, 1: some failed); a usage error or interruption is retried
