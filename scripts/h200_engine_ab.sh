@@ -115,6 +115,19 @@ device)
     [ -f "$d/MANIFEST.json" ] || [ "$(basename "$d")" = sharegpt ] || continue
     n=$(basename "$d"); mkdir -p "/tmp/whl/$n" && cp -n "$d"/* "/tmp/whl/$n/"
   done
+  # one GPU job at a time: while another engine's A/B job (or the data stage) runs, a call for this
+  # engine only files its parts; installing (unpacking ~100-200 MB) waits too, as it would take host CPU
+  # from the servers being measured. Staging calls during a running job cost no device time of their
+  # own (the machine is held anyway), so the next engine's parts can travel meanwhile
+  self=ab-$engine; [ "${TASK:-ab}" = generate ] && self=gen
+  for st in /tmp/kimi-lease/*/state.json; do
+    [ -f "$st" ] || continue
+    other=$(basename "$(dirname "$st")")
+    [ "$other" = "$self" ] && continue
+    if python3 scripts/gpu_lease.py status "$other" >/dev/null; then
+      echo "$engine: parts filed; $other still runs, so installing and the job wait (call again once $other has ended)"; exit 0
+    fi
+  done
   ready=1
   for n in model "$engine"; do
     if [ -f "/tmp/site-$n/.installed" ]; then echo "$n: installed"; continue; fi
