@@ -545,3 +545,28 @@ def test_pairs_per_probe_are_validated():
         parse_ab({"repeats": 2}, hardware="cuda")
     with pytest.raises(ABConfigError, match="retire_decided"):
         parse_ab({"retire_decided": "yes"}, hardware="cuda")
+
+
+def test_a_final_inconclusive_verdict_says_where_its_noise_sat():
+    """At the end of the budget an undecided verdict carries the noise note (kimi_perf.ab.variance):
+    here the launch rounds disagree and the waiting side spun, and the reason says both; a decided
+    verdict keeps its plain reason, and so does an undecided one before the budget is spent."""
+    from kimi_perf.ab import runner
+
+    pairs = []
+    for block in range(4):
+        launch = block // 2
+        for i in range(3):
+            c = 100.0 * (1.06 if launch else 0.96) * (1 + 0.002 * i)
+            pairs.append(runner.PairRecord(block, i, "single_stream", "base", {"decode_tok_s": 100.0, "peer_cpu_util": 1.0},
+                                           {"decode_tok_s": c, "peer_cpu_util": 0.9}, launch=launch))
+    out = runner.ABOutcome("b", "c", ABSpec(threshold=0.025, min_blocks=2, max_blocks=4), tuple(_probes()), pairs=pairs)
+    [d] = runner._decide_all(out, 1, final=True)
+    assert d.verdict == "INCONCLUSIVE" and "after the whole budget" in d.reason
+    assert "most between launches: more launch rounds" in d.reason and "waiting side used 0.95 cores" in d.reason
+    assert d.message().endswith(d.reason)  # the message every report prints carries it
+    [d] = runner._decide_all(out, 1, final=False)
+    assert "noise" not in d.reason
+    same = [dataclasses.replace(p, candidate={"decode_tok_s": 100.0}) for p in pairs]
+    [d] = runner._decide_all(dataclasses.replace(out, pairs=same), 1, final=True)
+    assert d.verdict == "PASS" and "noise" not in d.reason

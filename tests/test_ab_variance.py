@@ -8,7 +8,13 @@ import math
 import numpy as np
 import pytest
 
-from kimi_perf.ab.variance import aa_bias, pair_log_ratios, second_launch_effect, variance_components
+from kimi_perf.ab.variance import (
+    aa_bias,
+    noise_note,
+    pair_log_ratios,
+    second_launch_effect,
+    variance_components,
+)
 
 
 def _trials(n_trials=40, rounds=2, blocks=3, pairs=3, sd_pair=0.02, sd_block=0.01, sd_launch=0.03, sd_trial=0.0,
@@ -98,3 +104,34 @@ def test_the_power_summary_and_table_carry_bias_and_components():
     md = markdown({"machines": {"gpu-h200-x1": entry}})
     assert "launch rounds of 3 blocks in ABBA order" in md
     assert "| 0% | c128:steady_output_throughput | 108 |" in md
+
+
+def _flat(ys_by_launch, peer=0.0):
+    """Flat pairs of one run: launch round -> block -> pair ratios (candidate / base)."""
+    out, block = [], 0
+    for launch, blocks in enumerate(ys_by_launch):
+        for pairs in blocks:
+            for i, r in enumerate(pairs):
+                out.append({"probe": "single_stream", "block": block, "index": i, "launch": launch,
+                            "base_decode_tok_s": 100.0, "candidate_decode_tok_s": 100.0 * r,
+                            "base_peer_cpu_util": peer, "candidate_peer_cpu_util": peer})
+            block += 1
+    return out
+
+
+def test_noise_note_says_where_an_undecided_runs_noise_sat_and_what_cuts_it():
+    """An INCONCLUSIVE verdict names the level that dominates and its remedy: a launch effect asks for
+    launch rounds (repeats cannot help), noisy pairs ask for longer repeats; a waiting side that spins
+    is named with the flag that stops it."""
+    launches = _flat([[[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]], [[1.2, 1.2, 1.2], [1.2, 1.2, 1.2]]])
+    note = noise_note(launches, "single_stream", "decode_tok_s")
+    assert "most between launches: more launch rounds" in note and "more repeats do not help" in note
+    assert "waiting side" not in note
+    pairs = _flat([[[0.8, 1.2, 1.0], [1.2, 0.8, 1.0]], [[1.0, 0.8, 1.2], [0.8, 1.0, 1.2]]], peer=1.0)
+    note = noise_note(pairs, "single_stream", "decode_tok_s")
+    assert "most within pair: longer repeats" in note
+    assert "the waiting side used 1.00 cores (median)" in note and "--sleep-on-idle" in note and "ab.pin_cpus" in note
+    # one pair has no spread to split, but a spinning neighbour is still worth saying
+    assert noise_note(pairs[:1], "single_stream", "decode_tok_s").startswith("the waiting side used 1.00 cores")
+    assert noise_note(launches[:1], "single_stream", "decode_tok_s") == ""
+    assert noise_note(pairs, "c128", "steady_output_throughput") == ""  # no pairs of that probe

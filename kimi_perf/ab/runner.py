@@ -48,6 +48,7 @@ from ..progress import log
 from .config import ABSpec
 from .decide import ABDecision, decide, log_ratio
 from .pinning import CPUPlan, plan_cpus
+from .variance import flat_pairs, noise_note
 
 __all__ = ["ABOutcome", "ABSideError", "PairRecord", "Probe", "Side", "launch_together", "measure_repeat", "run_ab",
            "run_ab_prompts", "stop_reason"]
@@ -491,10 +492,16 @@ def _retire(out: ABOutcome, blocks: int) -> None:
 
 def _decide_all(out: ABOutcome, family: int, *, final: bool) -> list[ABDecision]:
     s = out.spec
-    return [decide(METRICS[m], p.name, out.block_log_ratios(p.name, m), out.samples("base", p.name, m),
-                   out.samples("candidate", p.name, m), threshold=s.threshold_for(m), alpha=s.alpha, family=family,
-                   min_blocks=s.min_blocks, final=final)
-            for p in out.probes for m in p.gated]
+    ds = [decide(METRICS[m], p.name, out.block_log_ratios(p.name, m), out.samples("base", p.name, m),
+                 out.samples("candidate", p.name, m), threshold=s.threshold_for(m), alpha=s.alpha, family=family,
+                 min_blocks=s.min_blocks, final=final)
+          for p in out.probes for m in p.gated]
+    if final and any(d.verdict == "INCONCLUSIVE" for d in ds):
+        # an undecided final verdict says where its noise sat and what would cut it (variance.noise_note)
+        flat = flat_pairs([asdict(p) for p in out.pairs])
+        ds = [replace(d, reason=f"{d.reason}; {note}") if d.verdict == "INCONCLUSIVE"
+              and (note := noise_note(flat, d.probe, d.metric)) else d for d in ds]
+    return ds
 
 
 def _log_block(out: ABOutcome) -> None:

@@ -34,7 +34,7 @@ import numpy as np
 
 from .decide import pair_log_ratio
 
-__all__ = ["aa_bias", "flat_pairs", "pair_log_ratios", "second_launch_effect", "variance_components"]
+__all__ = ["aa_bias", "flat_pairs", "noise_note", "pair_log_ratios", "second_launch_effect", "variance_components"]
 
 LEVELS = ("trial", "launch", "block")
 
@@ -167,3 +167,41 @@ def second_launch_effect(rows: Sequence[Mapping[str, Any]], *, level: float = 0.
     if not diffs:
         return {"n": 0, "why": "no trial launched in both orders (blocks_per_launch 0, or a single round)"}
     return _t_interval([float(d) for d in diffs], level)
+
+
+# what to change when most of an undecided comparison's noise sits at a level
+_ADVICE = {
+    "pair": "longer repeats or more pairs a block (ab.single_stream / ab.top sizes, ab.repeats_per_block)",
+    "block": "more blocks (ab.max_blocks, ab.time_budget_s)",
+    "launch": "more launch rounds (a smaller ab.blocks_per_launch or a larger ab.max_blocks); more repeats do not help",
+}
+_WHERE = {"pair": "within pair", "block": "between blocks", "launch": "between launches"}
+# cores the waiting side may use while the other is measured before it counts as a competitor: a
+# sleeping server's health checks read ~0.01-0.07 (SGLang with --sleep-on-idle on the H100)
+PEER_CPU_BUSY = 0.5
+
+
+def noise_note(pairs: Sequence[Mapping[str, Any]], probe: str, metric: str) -> str:
+    """One sentence for an INCONCLUSIVE verdict: where the noise of ``metric`` in ``probe`` sat (the SD
+    of a pair's ratio by level), what would cut it, and whether the waiting side competed for the host
+    CPU. ``pairs`` are flat (:func:`flat_pairs`). "" when there is too little to say.
+
+    Why in the verdict: a GPU job that ends INCONCLUSIVE is rerun by someone who did not design the
+    policy; "the interval straddles the threshold" does not tell them whether to add repeats, launch
+    rounds or quiet the host, and the run already holds the answer."""
+    rows = pair_log_ratios([{"pairs": pairs}], probe, metric)
+    levels = variance_components(rows).get("levels", {})
+    sds = {lv: float(levels[lv]["sd"]) for lv in ("pair", "block", "launch")
+           if lv in levels and math.isfinite(levels[lv]["sd"])}
+    parts = []
+    if sds:
+        where = ", ".join(f"{100 * v:.1f}% {_WHERE[lv]}" for lv, v in sds.items())
+        top = max(sds, key=lambda k: sds[k])
+        parts.append(f"noise (SD of a pair's ratio): {where}; most {_WHERE[top]}: {_ADVICE[top]}")
+    peer = [float(p[f"{s}_peer_cpu_util"]) for p in pairs if p.get("probe") == probe for s in ("base", "candidate")
+            if isinstance(p.get(f"{s}_peer_cpu_util"), (int, float)) and math.isfinite(p[f"{s}_peer_cpu_util"])]
+    if peer and float(np.median(peer)) > PEER_CPU_BUSY:
+        parts.append(f"the waiting side used {float(np.median(peer)):.2f} cores (median) while the other was measured: "
+                     "an idle server that polls competes for the host CPU (SGLang: --sleep-on-idle), or pin the "
+                     "sides to disjoint cores (ab.pin_cpus)")
+    return "; ".join(parts)
