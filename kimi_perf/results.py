@@ -19,8 +19,8 @@ dashboard reads ``run.json``. This module closes the three gaps:
 
 CLI: ``python -m kimi_perf.results export --format bencher|gab RUN_DIR [-o OUT]`` and
 ``python -m kimi_perf.results show RUN_DIR``; ``python -m kimi_perf.results ab-table RUN_DIR...`` prints
-the same-run A/B decisions of several runs (e.g. one per engine flag variant) as one markdown table, and
-``ab-noise RUN_DIR...`` where each A/B's noise came from (:func:`ab_noise`). Both formats are a few lines of dict building; no
+the same-run A/B decisions of several runs (e.g. one per engine flag variant) as one markdown table
+(where each A/B's noise came from: ``python -m kimi_perf.ab.variance RUN_DIR...``). Both formats are a few lines of dict building; no
 library writes them, so they are built here, and the tests validate them against JSON Schemas
 written from the formats' public docs (``tests/test_results.py``).
 """
@@ -391,80 +391,6 @@ def ab_table(runs: Sequence[RunResults]) -> str:
     return "\n".join(out)
 
 
-def _median(vals: Iterable[Any]) -> float:
-    v = sorted(float(x) for x in vals if _finite(x))
-    return (v[len(v) // 2] + v[(len(v) - 1) // 2]) / 2 if v else math.nan
-
-
-def ab_noise_rows(run: RunResults) -> list[dict[str, Any]]:
-    """Where the noise of each gated A/B metric of ``run`` came from: the variance components of a pair's
-    log ratio (within pair, between blocks, between launch rounds; :mod:`kimi_perf.ab.variance`), the
-    range of the pair ratios, this run's second-launch difference (blocks whose candidate launched second
-    against those whose base did; one run gives no interval), and the host signals that explain a noisy
-    run: the waiting side's CPU use (``peer_cpu_util``) and the measured server's CPU per token.
-
-    Why from one run: a user whose GPU job came out INCONCLUSIVE needs to know whether more repeats,
-    more launches or a quieter host would help, before paying for a power study."""
-    from .ab.variance import flat_pairs, pair_log_ratios, variance_components
-
-    rows = []
-    for rec in run.results:
-        ab = rec.get("ab") or {}
-        flat = flat_pairs(ab.get("pairs") or [])
-        k = rec.get("key") or {}
-        for d in ab.get("decisions") or []:
-            probe, metric = d.get("probe"), d.get("metric")
-            lr = pair_log_ratios([{"pairs": flat}], probe, metric)
-            levels = variance_components(lr).get("levels", {})
-            mine = [p for p in flat if p.get("probe") == probe]
-            by_block: dict[int, list[float]] = {}
-            second: dict[int, str] = {}
-            for r in lr:
-                by_block.setdefault(r["block"], []).append(r["y"])
-                second[r["block"]] = r["second"]
-            med = {b: _median(v) for b, v in by_block.items()}
-            cand2 = [m for b, m in med.items() if second[b] == "candidate"]
-            base2 = [m for b, m in med.items() if second[b] == "base"]
-            ys = [r["y"] for r in lr]
-            rows.append({
-                # the base's name without its description: the decision table (ab_table) carries that
-                "engine": k.get("engine"), "base": str(ab.get("base")).split(" (")[0], "probe": probe, "metric": metric, "pairs": len(lr),
-                **{f"sd_{lv}_pct": 100 * levels.get(lv, {}).get("sd", math.nan) for lv in ("pair", "block", "launch")},
-                "pair_ratio_min": math.exp(min(ys)) if ys else math.nan,
-                "pair_ratio_max": math.exp(max(ys)) if ys else math.nan,
-                "second_launch": (math.exp((sum(cand2) / len(cand2) - sum(base2) / len(base2)) / 2)
-                                  if cand2 and base2 else math.nan),
-                **{f"{side}_{m}_median": _median(p.get(f"{side}_{m}") for p in mine)
-                   for side in ("base", "candidate") for m in ("peer_cpu_util", "engine_cpu_ms_per_tok")},
-                "peer_cpu_util_max": max((float(p[f"{s}_peer_cpu_util"]) for p in mine for s in ("base", "candidate")
-                                          if _finite(p.get(f"{s}_peer_cpu_util"))), default=math.nan),
-            })
-    return rows
-
-
-def ab_noise(runs: Sequence[RunResults]) -> str:
-    """Markdown table of :func:`ab_noise_rows` over ``runs``: SDs in percent of a pair's ratio, n/a where
-    the design cannot separate a level (one pair a block: the block level holds the pair's noise)."""
-
-    def num(v: Any, fmt: str) -> str:
-        return format(v, fmt) if _finite(v) else "n/a"
-
-    out = ["| engine | base | probe | metric | pairs | SD within pair % | between blocks % | between launches % "
-           "| pair ratios | second launch (this run) | waiting side's CPU, cores (median / max) "
-           "| engine CPU ms/tok base / candidate |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for run in runs:
-        for r in ab_noise_rows(run):
-            peer = _median([r["base_peer_cpu_util_median"], r["candidate_peer_cpu_util_median"]])
-            out.append(
-                f"| {r['engine']} | {r['base']} | {r['probe']} | {r['metric']} | {r['pairs']} "
-                f"| {num(r['sd_pair_pct'], '.2f')} | {num(r['sd_block_pct'], '.2f')} | {num(r['sd_launch_pct'], '.2f')} "
-                f"| {num(r['pair_ratio_min'], '.3f')}-{num(r['pair_ratio_max'], '.3f')} | x{num(r['second_launch'], '.4f')} "
-                f"| {num(peer, '.3f')} / {num(r['peer_cpu_util_max'], '.3f')} "
-                f"| {num(r['base_engine_cpu_ms_per_tok_median'], '.2f')} / {num(r['candidate_engine_cpu_ms_per_tok_median'], '.2f')} |")
-    return "\n".join(out)
-
-
 def _cli(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kimi_perf.results",
                                  description="a kimi-perf run's results as tables, or as files a dashboard ingests")
@@ -482,16 +408,13 @@ def _cli(argv: list[str] | None = None) -> int:
     sh.add_argument("run", help="report directory (holding run.json) or run file")
     at = sub.add_parser("ab-table", help="print the same-run A/B decisions of one or more runs as a markdown table")
     at.add_argument("runs", nargs="+", help="report directories (holding run.json) or run files")
-    an = sub.add_parser("ab-noise", help="print where each same-run A/B's noise came from (variance components, "
-                                         "launch order, host CPU) as a markdown table")
-    an.add_argument("runs", nargs="+", help="report directories (holding run.json) or run files")
     ns = ap.parse_args(argv)
-    if ns.cmd in ("ab-table", "ab-noise"):
+    if ns.cmd == "ab-table":
         try:
             loaded = [RunResults.load(r) for r in ns.runs]
         except (FileNotFoundError, ValueError) as e:
             ap.error(str(e))
-        print(ab_table(loaded) if ns.cmd == "ab-table" else ab_noise(loaded))
+        print(ab_table(loaded))
         return 0
     try:
         run = RunResults.load(ns.run)

@@ -3,6 +3,7 @@ synthetic trials whose components are known, and as the power study reports them
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -11,10 +12,12 @@ import pytest
 from kimi_perf.ab.variance import (
     aa_bias,
     noise_note,
+    noise_rows,
     pair_log_ratios,
     second_launch_effect,
     variance_components,
 )
+from kimi_perf.ab.variance import main as variance_main
 
 
 def _trials(n_trials=40, rounds=2, blocks=3, pairs=3, sd_pair=0.02, sd_block=0.01, sd_launch=0.03, sd_trial=0.0,
@@ -135,3 +138,35 @@ def test_noise_note_says_where_an_undecided_runs_noise_sat_and_what_cuts_it():
     assert noise_note(pairs[:1], "single_stream", "decode_tok_s").startswith("the waiting side used 1.00 cores")
     assert noise_note(launches[:1], "single_stream", "decode_tok_s") == ""
     assert noise_note(pairs, "c128", "steady_output_throughput") == ""  # no pairs of that probe
+
+
+def test_noise_rows_name_where_one_runs_noise_came_from(tmp_path, capsys):
+    """A noisy job is read level by level from its own run file: here every pair of a launch agrees and
+    the second launch round reads 10% apart, so the noise is all between launches (no repeats would
+    help), the launch order shows, and the waiting side's CPU use and the engines' CPU per token come
+    out as recorded."""
+    pairs = []
+    for launch in (0, 1):
+        for block in (2 * launch, 2 * launch + 1):
+            for i in range(3):
+                c = 1000.0 * (math.exp(0.1) if launch else 1.0)
+                pairs.append({"probe": "single_stream", "block": block, "index": i, "launch": launch,
+                              "base": {"decode_tok_s": 1000.0, "peer_cpu_util": 0.0, "engine_cpu_ms_per_tok": 2.0},
+                              "candidate": {"decode_tok_s": c, "peer_cpu_util": 1.0 if launch else 0.0,
+                                            "engine_cpu_ms_per_tok": 3.0}})
+    ab = {"base": "same (A/A: the candidate's own configuration)", "pairs": pairs, "decisions": [
+        {"probe": "single_stream", "metric": "decode_tok_s", "verdict": "INCONCLUSIVE"}]}
+    rec = {"nodeid": "t::ab", "key": {"scenario": "ab_throughput", "engine": "sglang"}, "ab": ab}
+    (tmp_path / "run.json").write_text(json.dumps({"profile": "p", "results": [rec]}))
+    [row] = noise_rows([rec])
+    assert row["base"] == "same" and row["pairs"] == 12
+    assert row["sd_pair_pct"] == pytest.approx(0.0) and row["sd_block_pct"] == pytest.approx(0.0)
+    assert row["sd_launch_pct"] == pytest.approx(100 * 0.1 / math.sqrt(2))
+    # launch round 0 launched the candidate second: it read 10% less than in round 1
+    assert row["second_launch"] == pytest.approx(math.exp(-0.05))
+    assert row["pair_ratio_min"] == pytest.approx(1.0) and row["pair_ratio_max"] == pytest.approx(math.exp(0.1))
+    assert row["peer_cpu_util_median"] == pytest.approx(0.0) and row["peer_cpu_util_max"] == 1.0
+    assert row["base_engine_cpu_ms_per_tok_median"] == 2.0
+    assert variance_main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2].startswith("| sglang | same | single_stream | decode_tok_s | 12 | 0.00 | 0.00 | 7.07 | 1.000-1.105 |")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kimi_perf.metrics import METRICS
-from kimi_perf.results import GAB_FILES, RunResults, _cli, ab_noise_rows, ab_table, export, to_bencher, to_gab
+from kimi_perf.results import GAB_FILES, RunResults, _cli, ab_table, export, to_bencher, to_gab
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = str(Path(__file__).with_name("fake_server.py"))
@@ -339,36 +339,3 @@ def test_ab_table_shows_each_decision_with_its_comparison(tmp_path, capsys):
     with pytest.raises(SystemExit):
         _cli(["ab-table", str(tmp_path / "missing")])
 
-
-def test_ab_noise_names_where_an_ab_runs_noise_came_from(tmp_path, capsys):
-    """A noisy job is read level by level from its own run file: here every pair of a launch agrees and
-    the second launch round reads 10% apart, so the noise is all between launches (no repeats would
-    help), the launch order shows, and the waiting side's CPU use and the engines' CPU per token come
-    out as recorded."""
-    import math
-
-    pairs = []
-    for launch in (0, 1):
-        for block in (2 * launch, 2 * launch + 1):
-            for i in range(3):
-                c = 1000.0 * (math.exp(0.1) if launch else 1.0)
-                pairs.append({"probe": "single_stream", "block": block, "index": i, "launch": launch,
-                              "base": {"decode_tok_s": 1000.0, "peer_cpu_util": 0.0, "engine_cpu_ms_per_tok": 2.0},
-                              "candidate": {"decode_tok_s": c, "peer_cpu_util": 1.0 if launch else 0.0,
-                                            "engine_cpu_ms_per_tok": 3.0}})
-    ab = {"base": "same (A/A: the candidate's own configuration)", "pairs": pairs, "decisions": [
-        {"probe": "single_stream", "metric": "decode_tok_s", "verdict": "INCONCLUSIVE"}]}
-    rec = {"nodeid": "t::ab", "key": {"scenario": "ab_throughput", "engine": "sglang"}, "ab": ab}
-    (tmp_path / "run.json").write_text(json.dumps({"profile": "p", "results": [rec]}))
-    [row] = ab_noise_rows(RunResults.load(tmp_path))
-    assert row["base"] == "same" and row["pairs"] == 12
-    assert row["sd_pair_pct"] == pytest.approx(0.0) and row["sd_block_pct"] == pytest.approx(0.0)
-    assert row["sd_launch_pct"] == pytest.approx(100 * 0.1 / math.sqrt(2))
-    # launch round 0 launched the candidate second: it read 10% less than in round 1
-    assert row["second_launch"] == pytest.approx(math.exp(-0.05))
-    assert row["pair_ratio_min"] == pytest.approx(1.0) and row["pair_ratio_max"] == pytest.approx(math.exp(0.1))
-    assert row["candidate_peer_cpu_util_median"] == pytest.approx(0.5) and row["peer_cpu_util_max"] == 1.0
-    assert row["base_engine_cpu_ms_per_tok_median"] == 2.0
-    assert _cli(["ab-noise", str(tmp_path)]) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert out[2].startswith("| sglang | same | single_stream | decode_tok_s | 12 | 0.00 | 0.00 | 7.07 | 1.000-1.105 |")

@@ -22,19 +22,28 @@ estimate (the mean of its block medians, the gate's own estimator), with a t int
 trials are independent jobs, blocks of one trial are not. The *second-launch effect* compares, within
 trials that launched in both orders, blocks whose candidate launched second with blocks whose base
 did: on identical code it is the advantage of being launched second.
+
+One gated job needs no study to say where its own noise was: :func:`noise_note` puts it into an
+INCONCLUSIVE verdict's reason, and ``python -m kimi_perf.ab.variance RUN_DIR...`` prints it for any
+run files as a table (:func:`noise_table`).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .decide import pair_log_ratio
 
-__all__ = ["aa_bias", "flat_pairs", "noise_note", "pair_log_ratios", "second_launch_effect", "variance_components"]
+__all__ = ["aa_bias", "flat_pairs", "noise_note", "noise_rows", "noise_table", "pair_log_ratios", "second_launch_effect",
+           "variance_components"]
 
 LEVELS = ("trial", "launch", "block")
 
@@ -205,3 +214,103 @@ def noise_note(pairs: Sequence[Mapping[str, Any]], probe: str, metric: str) -> s
                      "an idle server that polls competes for the host CPU (SGLang: --sleep-on-idle), or pin the "
                      "sides to disjoint cores (ab.pin_cpus)")
     return "; ".join(parts)
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _median(vals: Iterable[Any]) -> float:
+    v = [float(x) for x in vals if _finite(x)]
+    return float(np.median(v)) if v else math.nan
+
+
+def noise_rows(results: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Where the noise of each gated A/B metric in a run file's ``results`` came from: the variance
+    components of a pair's log ratio (within pair, between blocks, between launch rounds), the range of
+    the pair ratios, this run's second-launch difference (blocks whose candidate launched second
+    against those whose base did; one run gives no interval), and the host signals that explain a noisy
+    run: the waiting side's CPU use (``peer_cpu_util``) and the measured server's CPU per token.
+
+    Why from one run: a user whose GPU job came out INCONCLUSIVE needs to know whether more repeats,
+    more launches or a quieter host would help, before paying for a power study."""
+    rows = []
+    for rec in results:
+        ab = rec.get("ab") or {}
+        flat = flat_pairs(ab.get("pairs") or [])
+        key = rec.get("key") or {}
+        for d in ab.get("decisions") or []:
+            probe, metric = d.get("probe"), d.get("metric")
+            lr = pair_log_ratios([{"pairs": flat}], probe, metric)
+            levels = variance_components(lr).get("levels", {})
+            mine = [p for p in flat if p.get("probe") == probe]
+            by_block: dict[int, list[float]] = {}
+            second: dict[int, str] = {}
+            for r in lr:
+                by_block.setdefault(r["block"], []).append(r["y"])
+                second[r["block"]] = r["second"]
+            cand2 = [_median(v) for b, v in by_block.items() if second[b] == "candidate"]
+            base2 = [_median(v) for b, v in by_block.items() if second[b] == "base"]
+            ys = [r["y"] for r in lr]
+            peers = [p.get(f"{s}_peer_cpu_util") for p in mine for s in ("base", "candidate")]
+            rows.append({
+                # the base's name without its description: the decision table (results ab-table) has that
+                "engine": key.get("engine"), "base": str(ab.get("base")).split(" (")[0], "probe": probe,
+                "metric": metric, "pairs": len(lr),
+                **{f"sd_{lv}_pct": 100 * levels.get(lv, {}).get("sd", math.nan) for lv in _WHERE},
+                "pair_ratio_min": math.exp(min(ys)) if ys else math.nan,
+                "pair_ratio_max": math.exp(max(ys)) if ys else math.nan,
+                "second_launch": (math.exp((float(np.mean(cand2)) - float(np.mean(base2))) / 2)
+                                  if cand2 and base2 else math.nan),
+                "peer_cpu_util_median": _median(peers),
+                "peer_cpu_util_max": max((float(v) for v in peers if v is not None and _finite(v)), default=math.nan),
+                **{f"{side}_engine_cpu_ms_per_tok_median": _median(p.get(f"{side}_engine_cpu_ms_per_tok") for p in mine)
+                   for side in ("base", "candidate")},
+            })
+    return rows
+
+
+def noise_table(runs: Sequence[Sequence[Mapping[str, Any]]]) -> str:
+    """Markdown table of :func:`noise_rows` over several runs' results: SDs in percent of a pair's
+    ratio, n/a where the design cannot separate a level (one pair a block: the block level holds the
+    pair's noise)."""
+
+    def num(v: Any, fmt: str) -> str:
+        return format(v, fmt) if _finite(v) else "n/a"
+
+    head = ["engine", "base", "probe", "metric", "pairs", "SD within pair %", "between blocks %",
+            "between launches %", "pair ratios", "second launch (this run)",
+            "waiting side's CPU, cores (median / max)", "engine CPU ms/tok base / candidate"]
+    lines = [head, ["---"] * len(head)]
+    for results in runs:
+        for r in noise_rows(results):
+            lines.append([str(r["engine"]), r["base"], str(r["probe"]), str(r["metric"]), str(r["pairs"]),
+                          *(num(r[f"sd_{lv}_pct"], ".2f") for lv in _WHERE),
+                          f"{num(r['pair_ratio_min'], '.3f')}-{num(r['pair_ratio_max'], '.3f')}",
+                          f"x{num(r['second_launch'], '.4f')}",
+                          f"{num(r['peer_cpu_util_median'], '.3f')} / {num(r['peer_cpu_util_max'], '.3f')}",
+                          " / ".join(num(r[f"{side}_engine_cpu_ms_per_tok_median"], ".2f")
+                                     for side in ("base", "candidate"))])
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kimi_perf.ab.variance RUN...``: :func:`noise_table` of report folders or run files."""
+    ap = argparse.ArgumentParser(prog="python -m kimi_perf.ab.variance",
+                                 description="where each same-run A/B's noise came from: variance components of "
+                                             "a pair's ratio, launch order and host CPU, as a markdown table")
+    ap.add_argument("runs", nargs="+", help="report directories (holding run.json) or run files")
+    ns = ap.parse_args(argv)
+    runs = []
+    for r in ns.runs:
+        path = Path(r) / "run.json" if Path(r).is_dir() else Path(r)
+        try:
+            runs.append(json.loads(path.read_text()).get("results") or [])
+        except (OSError, ValueError) as e:
+            ap.error(f"{path}: {e}")
+    print(noise_table(runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
