@@ -180,9 +180,9 @@ job)  # runs under gpu_lease in its copy of the tree: one pytest session per A/B
   mkdir -p "$KIMI_PERF_CACHE/data" && cp -n .carry/data/*.json* "$KIMI_PERF_CACHE/data/" 2>/dev/null
   # A/Bs to run, in order. A variant may carry profile overrides for its session, NAME@key=json[,...]:
   # a bare key is the ab policy's (same@pin_cpus=true), a dotted one a path from the top
-  # (same@engines.sglang.sleep_on_idle=false); the profile is copied with them into the report folder. A later call can
-  # replace the list of a running job (NEXT_VARIANTS): the job reads it before each A/B, so what runs
-  # next can follow what the last one showed without stopping the job
+  # (same@engines.sglang.sleep_on_idle=false); the profile is copied with them into the report folder.
+  # A later call can replace the list of a running job (NEXT_VARIANTS): the job reads it before each
+  # A/B, so what runs next can follow what the last one showed without stopping the job
   vfile=/tmp/kimi-lease/ab-$engine/variants
   tried=" "
   while :; do
