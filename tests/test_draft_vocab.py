@@ -44,3 +44,19 @@ def test_cli_prints_the_table_for_stored_samples(tmp_path, capsys):
     assert main([str(path), "--sizes", "3", "--vocab-size", "64"]) == 0
     out = capsys.readouterr().out
     assert "3 distinct training assistant tokens" in out and "| 3 | 100.0% | 50.0% |" in out
+
+
+def test_heldout_coverage_keeps_evaluation_only_sources_apart():
+    """Code prompts (an evaluation-only source) get their own coverage rows and leave the chat number
+    alone: here the chat answers use only trained tokens and the code answer only an untrained one."""
+    from kimi_perf.eagle3.data import Sample
+    from kimi_perf.eagle3.pipeline import heldout_coverage
+
+    counts = np.zeros(10, dtype=np.int64)
+    counts[[1, 2]] = [5, 3]
+    chat = Sample("mtbench-1-t1", "mtbench", "heldout", [0], [1, 2, 1])
+    code = Sample("humaneval-0-t1", "humaneval", "heldout", [0], [9, 9])
+    by_size, by_source = heldout_coverage(counts, [chat, code], [2])
+    assert by_size[0]["heldout_coverage"] == 1.0 and by_size[0]["heldout_tokens"] == 3
+    assert list(by_source) == ["humaneval"] and by_source["humaneval"][0]["heldout_coverage"] == 0.0
+    assert heldout_coverage(counts, [chat], [2])[1] == {}  # no code prompts: no extra rows

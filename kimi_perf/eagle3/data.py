@@ -14,7 +14,8 @@ recipe's temperatures) are conditioned on the same greedy earlier answers.
 
 Sources (``DataConfig.sources``, loaders in :mod:`kimi_perf.data`): ``mtbench``, ``sharegpt`` (FastChat's
 500-conversation sample), ``sharegpt-v3`` (16,318 real ShareGPT V3 conversations with all their user
-turns: the multi-turn source at scale) and ``instructlab`` (24,542 single-turn synthetic prompts).
+turns: the multi-turn source at scale), ``instructlab`` (24,542 single-turn synthetic prompts) and
+``humaneval`` (164 code stubs, evaluation only: always held out, see ``EVAL_ONLY_SOURCES``).
 """
 
 from __future__ import annotations
@@ -28,15 +29,26 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..data import Conversation, load_instructlab, load_mtbench, load_sharegpt, load_sharegpt_v3, stable_split
+from ..data import (
+    Conversation,
+    load_humaneval,
+    load_instructlab,
+    load_mtbench,
+    load_sharegpt,
+    load_sharegpt_v3,
+    stable_split,
+)
 from ..progress import log
 
-__all__ = ["FOLLOWUPS", "GENERATOR_KINDS", "DataConfig", "Generate", "PromptItem", "Sample", "build_items", "complete_lines", "generate_samples", "read_samples",
+__all__ = ["EVAL_ONLY_SOURCES", "FOLLOWUPS", "GENERATOR_KINDS", "DataConfig", "Generate", "PromptItem", "Sample", "build_items", "complete_lines", "generate_samples", "read_samples",
            "sampling_params"]
 
 
 # engine kinds whose /generate takes token ids and returns output_ids (DataConfig.generator)
 GENERATOR_KINDS = ("reference", "sglang")
+# sources that are only ever evaluated: every item is held out, whatever held_out_fraction says, and the
+# training-time held-out metrics leave them out so their meaning stays MT-bench's (they are reported apart)
+EVAL_ONLY_SOURCES = ("humaneval",)
 
 
 @dataclass(frozen=True)
@@ -147,8 +159,10 @@ def _conversations(sources: Sequence[str]) -> list[Conversation]:
             out += load_instructlab()
         elif src == "sharegpt-v3":
             out += load_sharegpt_v3()  # real multi-turn chat: every user turn becomes an item
+        elif src == "humaneval":
+            out += load_humaneval()  # code prompts, evaluation only (EVAL_ONLY_SOURCES)
         else:
-            raise ValueError(f"unknown data source {src!r}: use mtbench, sharegpt, sharegpt-v3 or instructlab")
+            raise ValueError(f"unknown data source {src!r}: use mtbench, sharegpt, sharegpt-v3, instructlab or humaneval")
     return out
 
 
@@ -180,7 +194,7 @@ def _followups(conv_id: str, k: int) -> tuple[str, ...]:
 def build_items(cfg: DataConfig) -> list[PromptItem]:
     items = []
     for c in _conversations(cfg.sources):
-        split = stable_split(c.id, cfg.held_out_fraction)
+        split = "heldout" if c.source in EVAL_ONLY_SOURCES else stable_split(c.id, cfg.held_out_fraction)
         turns = c.turns if not cfg.multi_turn else c.turns + (_followups(c.id, cfg.followups) if split == "train" else ())
         n_turns = len(turns) if cfg.multi_turn else 1
         for t in range(1, n_turns + 1):

@@ -24,12 +24,12 @@ from ..atomic import atomic_write_json
 from ..engines.reference.drafter_model import save_drafter
 from ..models.embedded import cache_root, file_lock
 from ..progress import log
-from .data import DataConfig, Sample, build_items, generate_samples, samples_digest
+from .data import EVAL_ONLY_SOURCES, DataConfig, Sample, build_items, generate_samples, samples_digest
 from .features import FeatureSpec, extract_features
 from .train import TrainConfig, TrainResult, train_drafter
 from .vocab import DEFAULT_SIZES, build_vocab_maps, count_tokens, coverage_table
 
-__all__ = ["DrafterArtifact", "DrafterRecipe", "build_drafter", "cache_dirs", "load_target_tensors"]
+__all__ = ["DrafterArtifact", "DrafterRecipe", "build_drafter", "cache_dirs", "heldout_coverage", "load_target_tensors"]
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,7 @@ def build_drafter(
         t_data = time.monotonic() - t0
         train = [s for s in samples.values() if s.split == "train"]
         heldout = [s for s in samples.values() if s.split == "heldout"]
+        held_main = [s for s in heldout if s.source not in EVAL_ONLY_SOURCES]
         if not train:
             raise RuntimeError("no training samples were generated (all prompts too long?)")
         cfg, embed, lm = load_target_tensors(target_dir)
@@ -138,12 +139,11 @@ def build_drafter(
         counts = count_tokens(((s.ids, s.loss_mask) for s in train), vocab)
         d2t, t2d = build_vocab_maps(counts, recipe.train.draft_vocab_size)
         covered = float(counts[t2d].sum() / max(1, counts.sum()))
-        by_size = coverage_table(counts, count_tokens(((s.ids, s.loss_mask) for s in heldout), vocab),
-                                 sorted({*DEFAULT_SIZES, recipe.train.draft_vocab_size}))
+        by_size, by_source = heldout_coverage(counts, heldout, sorted({*DEFAULT_SIZES, recipe.train.draft_vocab_size}))
         log(f"drafter vocab: {int((counts > 0).sum())} distinct assistant tokens, draft vocab "
             f"{recipe.train.draft_vocab_size} covers {covered:.1%} of them by frequency; held-out coverage "
-            + ", ".join(f"{r['size']}: {r['heldout_coverage']:.1%}" if r["heldout_coverage"] is not None
-                        else f"{r['size']}: -" for r in by_size))
+            + _coverage_text(by_size)
+            + "".join(f"; {src}: {_coverage_text(rows)}" for src, rows in by_source.items()))
         t1 = time.monotonic()
         store = extract_features(list(samples.values()), target_dir, feat_dir, recipe.features,
                                  model_fingerprint=target_fingerprint, max_len=recipe.train.max_seq_len)
@@ -152,7 +152,7 @@ def build_drafter(
         train_ids = [s.id for s in train if s.id in in_store]
         model, res = train_drafter(store, train_ids, cfg, embed, lm, torch.from_numpy(d2t), torch.from_numpy(t2d),
                                    work, recipe.train, target_norm=load_target_norm(target_dir),
-                                   heldout_ids=[s.id for s in heldout if s.id in in_store])
+                                   heldout_ids=[s.id for s in held_main if s.id in in_store])
         if res.steps < 1 or math.isnan(res.final_loss):
             raise RuntimeError(f"drafter training produced no usable model (steps {res.steps}, loss {res.final_loss})")
         aux_for = None if store.layers == (2, int(cfg["num_hidden_layers"]) // 2, int(cfg["num_hidden_layers"]) - 3) else "reference"
@@ -166,7 +166,7 @@ def build_drafter(
                      "samples_digest": samples_digest(list(samples.values())), "seconds": t_data,
                      "train_ids": sorted(train_ids), "heldout_ids": sorted(s.id for s in heldout)},
             "vocab": {"distinct_assistant_tokens": int((counts > 0).sum()), "coverage": covered,
-                      "by_size": by_size},
+                      "by_size": by_size, **({"by_source": by_source} if by_source else {})},
             "features": {"dir": str(feat_dir), "layers": list(store.layers), "backend": store.manifest["backend"],
                          "backend_version": store.manifest["backend_version"], "tokens": store.num_tokens,
                          "seconds": t_feat, "planted_layer_offset": recipe.features.layer_offset},
@@ -179,6 +179,25 @@ def build_drafter(
             f"training {res.seconds:.0f}s at {res.tokens_per_s:.0f} tok/s)")
         return DrafterArtifact(out, feat_dir, data_dir / "samples.jsonl", tuple(sorted(train_ids)),
                                tuple(sorted(s.id for s in heldout)), report)
+
+
+def heldout_coverage(train_counts: np.ndarray, heldout: list[Sample], sizes: list[int],
+                     ) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+    """Draft-vocabulary coverage of the held-out answers for each size in ``sizes``: of the chat sources
+    together (the training-time number every recipe reports), and of each evaluation-only source apart
+    (code prompts: pooled with MT-bench they would change what the chat number means)."""
+    vocab = int(train_counts.shape[0])
+
+    def table(ss: list[Sample]) -> list[dict[str, Any]]:
+        return coverage_table(train_counts, count_tokens(((s.ids, s.loss_mask) for s in ss), vocab), sizes)
+
+    by_source = {src: table(ss) for src in EVAL_ONLY_SOURCES if (ss := [s for s in heldout if s.source == src])}
+    return table([s for s in heldout if s.source not in EVAL_ONLY_SOURCES]), by_source
+
+
+def _coverage_text(rows: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{r['size']}: {r['heldout_coverage']:.1%}" if r["heldout_coverage"] is not None
+                     else f"{r['size']}: -" for r in rows)
 
 
 def _jsonable(recipe: DrafterRecipe) -> dict[str, Any]:
