@@ -23,7 +23,8 @@
 # pack under .carry/samples/ for the next lease (docs/eagle3.md, "Data across leases").
 # Environment: ENGINE (sglang|vllm), VARIANTS (default: same and the profile's variants of ENGINE),
 # NEXT_VARIANTS (replaces the list of the running job from its next A/B on; NAME@key=json,... runs
-# NAME with those profile overrides, e.g. same@pin_cpus=true or same@engines.sglang.sleep_on_idle=false),
+# NAME with those profile overrides, e.g. same@pin_cpus=true or same@engines.sglang.sleep_on_idle=false;
+# the token `align` runs the engine's alignment tests on identical code instead of an A/B),
 # PYTEST_ARGS (extra pytest arguments, shell-quoted: "-k 'accept_length or alignment'"; "-k throughput"
 # when only speed fits the lease), WAIT (seconds this call waits on the job, default 480), RESTART=1
 # (start the ended job again), WH (wheelhouse folder here, default /work/wheelhouse; keep it outside the
@@ -217,11 +218,20 @@ for kv in sys.argv[1].split(","):
 json.dump(p, open(sys.argv[2], "w"), indent=1)
 PY
     fi
-    echo "[job] $engine --perf-ab $base ($v): start ($(date -u +%H:%M:%S))"
     eval "extra=(${PYTEST_ARGS:-})"  # shell words, so a -k expression may hold spaces
-    python3 -m pytest -m ab -p no:cacheprovider --perf-profile "$prof" --perf-engine "$engine" \
-      --perf-ab "$base" "--perf-$engine-python" "/tmp/$engine-python" --perf-drafter "$DRAFTER" \
-      --perf-report-dir "$rep" --perf-history off "${extra[@]}" -rA 2>&1 | tee "$rep/pytest.log"
+    if [ "$base" = align ]; then
+      # not an A/B: the engine's alignment tests on identical code (vs transformers, and vLLM's
+      # decode-path check), as a GPU job gating on alignment runs them; PYTEST_ARGS are the A/Bs'
+      echo "[job] $engine alignment tests ($v): start ($(date -u +%H:%M:%S))"
+      python3 -m pytest -m perf -p no:cacheprovider perf_tests/test_alignment.py perf_tests/test_engine_alignment.py \
+        -k "$engine" --perf-profile "$prof" "--perf-$engine-python" "/tmp/$engine-python" \
+        --perf-drafter "$DRAFTER" --perf-report-dir "$rep" --perf-history off -rA 2>&1 | tee "$rep/pytest.log"
+    else
+      echo "[job] $engine --perf-ab $base ($v): start ($(date -u +%H:%M:%S))"
+      python3 -m pytest -m ab -p no:cacheprovider --perf-profile "$prof" --perf-engine "$engine" \
+        --perf-ab "$base" "--perf-$engine-python" "/tmp/$engine-python" --perf-drafter "$DRAFTER" \
+        --perf-report-dir "$rep" --perf-history off "${extra[@]}" -rA 2>&1 | tee "$rep/pytest.log"
+    fi
     rc=${PIPESTATUS[0]}
     echo "[job] $engine $v: exit $rc ($(date -u +%H:%M:%S))"
     # done when its tests ran (0: passed, 1: some failed); a usage error or interruption is retried
