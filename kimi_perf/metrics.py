@@ -81,6 +81,9 @@ _ALL = [
     _m("peer_cpu_util", "cores", "lower",
        "CPU seconds of the other A/B side's server (waiting while this side is measured) / the repeat's "
        "wall seconds (from /proc)"),
+    _m("gpu_sm_clock_mhz", "MHz", "higher",
+       "median SM clock of the GPUs the servers see during a repeat (nvidia-smi --loop-ms; kimi_perf.gpuclock)"),
+    _m("gpu_power_w", "W", "lower", "median power draw of those GPUs during a repeat (nvidia-smi power.draw)"),
     _m("server_ready_s", "s", "lower", "launch to first healthy /health answer of a server"),
     # latency objectives (kimi_perf.load.slo; vLLM's --goodput definition)
     _m("request_goodput", "req/s", "higher",

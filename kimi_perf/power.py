@@ -88,12 +88,13 @@ def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
 
 # every pair's figures kept in the study, gated or not: the gated ones and candidates for gating
 # (--replay-only can decide any of them), plus what may explain noise: engine CPU, host steal, the
-# load generator's CPU per chunk (a client near one core's worth at C=128 adds its own jitter) and
-# the length of the steady window the C=128 throughput was read from; and each repeat's duration, which
-# times a replayed policy (kimi_perf.ab.replay.fit_timing)
+# load generator's CPU per chunk (a client near one core's worth at C=128 adds its own jitter), the
+# length of the steady window the C=128 throughput was read from, the waiting side's CPU and the GPU's
+# clock and power; and each repeat's duration, which times a replayed policy
+# (kimi_perf.ab.replay.fit_timing)
 RECORDED = ("decode_tok_s", "output_throughput", "steady_output_throughput", "tpot_ms_p50", "ttft_ms_p50",
             "e2el_ms_p50", "engine_cpu_ms_per_tok", "host_steal_fraction", "client_cpu_us_per_chunk",
-            "steady_window_s", "duration_s")
+            "steady_window_s", "duration_s", "peer_cpu_util", "gpu_sm_clock_mhz", "gpu_power_w")
 
 
 def trial_record(out: ABOutcome, plant: float, round_: int) -> dict[str, Any]:

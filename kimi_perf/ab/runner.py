@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 from ..bench import BenchFailure, RunningServer, check_errors
+from ..gpuclock import GpuClocks
 from ..launcher import ServerError
 from ..load.client import run_workload
 from ..load.workload import Workload
@@ -276,12 +277,19 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
     def one(role: str, probe: Probe, prompts: Sequence[Sequence[int]]) -> dict[str, float]:
         try:
             other = running.get("candidate" if role == "base" else "base")
-            return measure_repeat(running[role], probe.workload, prompts, label=f"A/B {role} {probe.name}", peer=other)
+            t = time.monotonic()
+            m = measure_repeat(running[role], probe.workload, prompts, label=f"A/B {role} {probe.name}", peer=other)
+            if clocks is not None:
+                m.update(clocks.window(t, time.monotonic()))
+            return m
         except BenchFailure as e:
             out.error = f"{role} failed during measurement: {e}"
             raise ABSideError(role, sides[role].label, f"requests failed: {e}", _FIX[role], out) from None
 
     client_affinity = _pin_client(plan)
+    # the GPU's SM clock and power during each repeat (none on a CPU box): a side that read slower
+    # because the GPU clocked lower shows it in the noise table (kimi_perf.gpuclock says why)
+    clocks = GpuClocks.start()
     try:
         for b in range(spec.max_blocks):
             order = ("base", "candidate") if b % 2 == 0 else ("candidate", "base")
@@ -334,6 +342,8 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
         stop_all()
         if launcher is not None:
             launcher.shutdown(wait=True)
+        if clocks is not None:
+            clocks.close()
         _unpin_client(client_affinity)
         out.wall_s = time.monotonic() - t0
     return out
