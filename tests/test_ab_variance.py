@@ -170,3 +170,35 @@ def test_noise_rows_name_where_one_runs_noise_came_from(tmp_path, capsys):
     assert variance_main([str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[2].startswith("| sglang | same | single_stream | decode_tok_s | 12 | 0.00 | 0.00 | 7.07 | 1.000-1.105 |")
+
+
+def test_a_gpu_clock_the_metric_follows_is_named_and_a_steady_one_is_not():
+    """Slow repeats that ran at a low SM clock (either side, any block) point at the GPU, not the
+    engine: the note names the range, the correlation and the runner-side fix. A clock that held still,
+    or moved without the metric following, is not blamed; runs without clocks read as before."""
+    from kimi_perf.ab.variance import clock_link
+
+    ratios = [[[1.0, 0.8, 1.25], [0.8, 1.25, 1.0]], [[1.25, 1.0, 0.8], [1.0, 0.8, 1.25]]]
+    pairs = _flat(ratios)
+    for p in pairs:  # the clock follows the speed: 1980 MHz at the fastest repeat, lower when slower
+        for side in ("base", "candidate"):
+            p[f"{side}_gpu_sm_clock_mhz"] = 1980.0 * p[f"{side}_decode_tok_s"] / 125.0
+    ck = clock_link(pairs, "single_stream", "decode_tok_s")
+    assert ck["clock_min_mhz"] == pytest.approx(1267.2) and ck["clock_max_mhz"] == pytest.approx(1980.0)
+    assert ck["rho"] == pytest.approx(1.0)
+    note = noise_note(pairs, "single_stream", "decode_tok_s")
+    assert "the GPU's SM clock moved 1267-1980 MHz across repeats and decode_tok_s followed it" in note
+    assert "nvidia-smi --lock-gpu-clocks" in note
+    for p in pairs:  # held still within 1%: not the clock
+        for side in ("base", "candidate"):
+            p[f"{side}_gpu_sm_clock_mhz"] = 1980.0 - (p["index"] % 2) * 15.0
+    assert "SM clock" not in noise_note(pairs, "single_stream", "decode_tok_s")
+    for i, p in enumerate(pairs):  # moved 1200-1980 but unrelated to the metric's ranks
+        for side in ("base", "candidate"):
+            p[f"{side}_gpu_sm_clock_mhz"] = 1200.0 if (i // 2) % 2 else 1980.0
+    assert abs(clock_link(pairs, "single_stream", "decode_tok_s")["rho"]) < 0.5
+    assert "SM clock" not in noise_note(pairs, "single_stream", "decode_tok_s")
+    assert clock_link(_flat(ratios), "single_stream", "decode_tok_s") == {}
+    [row] = noise_rows([{"key": {"engine": "vllm"}, "ab": {"base": "same", "pairs": [], "decisions": [
+        {"probe": "single_stream", "metric": "decode_tok_s"}]}}])
+    assert math.isnan(row["clock_min_mhz"]) and math.isnan(row["rho"])

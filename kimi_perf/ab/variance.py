@@ -42,7 +42,7 @@ import numpy as np
 
 from .decide import pair_log_ratio
 
-__all__ = ["aa_bias", "flat_pairs", "noise_note", "noise_rows", "noise_table", "pair_log_ratios", "second_launch_effect",
+__all__ = ["aa_bias", "clock_link", "flat_pairs", "noise_note", "noise_rows", "noise_table", "pair_log_ratios", "second_launch_effect",
            "variance_components"]
 
 LEVELS = ("trial", "launch", "block")
@@ -190,6 +190,39 @@ _WHERE = {"pair": "within pair", "block": "between blocks", "launch": "between l
 PEER_CPU_BUSY = 0.5
 
 
+# a GPU whose SM clock moved by more than this across the repeats of a probe, with the metric following
+# it (|Spearman rho| at least CLOCK_RHO), is named as a noise source in the verdict
+CLOCK_SPREAD = 0.05
+CLOCK_RHO = 0.5
+
+
+def clock_link(pairs: Sequence[Mapping[str, Any]], probe: str, metric: str) -> dict[str, float]:
+    """The GPU SM clock (``gpu_sm_clock_mhz``, median per repeat; :mod:`kimi_perf.gpuclock`) across the
+    repeats of ``probe``, both sides: its lowest and highest value and the Spearman rank correlation of
+    ``metric`` with it over the repeats that have both (``scipy.stats.spearmanr``; rank-based because
+    the link between clock and speed need not be linear). Empty where no repeat has a clock (a CPU box,
+    runs recorded before the sampler existed)."""
+    xs: list[float] = []
+    ys: list[float] = []
+    for p in pairs:
+        if p.get("probe") != probe:
+            continue
+        for side in ("base", "candidate"):
+            c: Any = p.get(f"{side}_gpu_sm_clock_mhz")
+            v: Any = p.get(f"{side}_{metric}")
+            if _finite(c) and _finite(v):
+                xs.append(float(c))
+                ys.append(float(v))
+    if not xs:
+        return {}
+    out = {"clock_min_mhz": min(xs), "clock_max_mhz": max(xs), "rho": math.nan}
+    if len(xs) >= 3 and len(set(xs)) > 1 and len(set(ys)) > 1:
+        from scipy.stats import spearmanr  # lazy: scipy is only needed where clocks were sampled
+
+        out["rho"] = float(spearmanr(xs, ys).statistic)
+    return out
+
+
 def noise_note(pairs: Sequence[Mapping[str, Any]], probe: str, metric: str) -> str:
     """One sentence for an INCONCLUSIVE verdict: where the noise of ``metric`` in ``probe`` sat (the SD
     of a pair's ratio by level), what would cut it, and whether the waiting side competed for the host
@@ -213,6 +246,12 @@ def noise_note(pairs: Sequence[Mapping[str, Any]], probe: str, metric: str) -> s
         parts.append(f"the waiting side used {float(np.median(peer)):.2f} cores (median) while the other was measured: "
                      "an idle server that polls competes for the host CPU (SGLang: --sleep-on-idle), or pin the "
                      "sides to disjoint cores (ab.pin_cpus)")
+    ck = clock_link(pairs, probe, metric)
+    if (ck and ck["clock_max_mhz"] > (1 + CLOCK_SPREAD) * ck["clock_min_mhz"] and math.isfinite(ck["rho"])
+            and abs(ck["rho"]) >= CLOCK_RHO):
+        parts.append(f"the GPU's SM clock moved {ck['clock_min_mhz']:.0f}-{ck['clock_max_mhz']:.0f} MHz across "
+                     f"repeats and {metric} followed it (Spearman rho {ck['rho']:.2f}): lock the runner's GPU "
+                     "clocks (nvidia-smi --lock-gpu-clocks) for merge jobs")
     return "; ".join(parts)
 
 
@@ -230,7 +269,8 @@ def noise_rows(results: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     components of a pair's log ratio (within pair, between blocks, between launch rounds), the range of
     the pair ratios, this run's second-launch difference (blocks whose candidate launched second
     against those whose base did; one run gives no interval), and the host signals that explain a noisy
-    run: the waiting side's CPU use (``peer_cpu_util``) and the measured server's CPU per token.
+    run: the waiting side's CPU use (``peer_cpu_util``), the measured server's CPU per token, and the
+    GPU's SM clock range with the metric's rank correlation to it (:func:`clock_link`).
 
     Why from one run: a user whose GPU job came out INCONCLUSIVE needs to know whether more repeats,
     more launches or a quieter host would help, before paying for a power study."""
@@ -253,6 +293,7 @@ def noise_rows(results: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             base2 = [_median(v) for b, v in by_block.items() if second[b] == "base"]
             ys = [r["y"] for r in lr]
             peers = [p.get(f"{s}_peer_cpu_util") for p in mine for s in ("base", "candidate")]
+            ck = clock_link(flat, probe, metric)
             rows.append({
                 # the base's name without its description: the decision table (results ab-table) has that
                 "engine": key.get("engine"), "base": str(ab.get("base")).split(" (")[0], "probe": probe,
@@ -266,6 +307,7 @@ def noise_rows(results: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
                 "peer_cpu_util_max": max((float(v) for v in peers if v is not None and _finite(v)), default=math.nan),
                 **{f"{side}_engine_cpu_ms_per_tok_median": _median(p.get(f"{side}_engine_cpu_ms_per_tok") for p in mine)
                    for side in ("base", "candidate")},
+                **{k: ck.get(k, math.nan) for k in ("clock_min_mhz", "clock_max_mhz", "rho")},
             })
     return rows
 
@@ -280,7 +322,8 @@ def noise_table(runs: Sequence[Sequence[Mapping[str, Any]]]) -> str:
 
     head = ["engine", "base", "probe", "metric", "pairs", "SD within pair %", "between blocks %",
             "between launches %", "pair ratios", "second launch (this run)",
-            "waiting side's CPU, cores (median / max)", "engine CPU ms/tok base / candidate"]
+            "waiting side's CPU, cores (median / max)", "engine CPU ms/tok base / candidate",
+            "GPU SM clock MHz (min-max)", "metric vs clock (Spearman rho)"]
     lines = [head, ["---"] * len(head)]
     for results in runs:
         for r in noise_rows(results):
@@ -290,7 +333,9 @@ def noise_table(runs: Sequence[Sequence[Mapping[str, Any]]]) -> str:
                           f"x{num(r['second_launch'], '.4f')}",
                           f"{num(r['peer_cpu_util_median'], '.3f')} / {num(r['peer_cpu_util_max'], '.3f')}",
                           " / ".join(num(r[f"{side}_engine_cpu_ms_per_tok_median"], ".2f")
-                                     for side in ("base", "candidate"))])
+                                     for side in ("base", "candidate")),
+                          f"{num(r['clock_min_mhz'], '.0f')}-{num(r['clock_max_mhz'], '.0f')}",
+                          num(r["rho"], ".2f")])
     return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
 
 
