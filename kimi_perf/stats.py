@@ -51,7 +51,7 @@ from .metrics import MetricDef
 Verdict = Literal["PASS", "WARN", "FAIL", "INCONCLUSIVE", "NEW", "UPDATED", "INFO", "REF"]
 
 __all__ = ["GateConfig", "GateDecision", "confirm_gate", "gate", "min_attainable_p", "mwu_worse_p",
-           "ratio_interval_gate", "reference_comparison", "robust_rel_noise"]
+           "ratio_interval_gate", "reference_comparison", "reported", "robust_rel_noise"]
 
 # The exact test enumerates every split of the pooled samples; 10 vs 10 (184,756 splits) takes ~1.6 s in
 # scipy on the 2-core CPU box, 5 vs 5 ~6 ms. Beyond the limit the normal approximation is adequate.
@@ -346,3 +346,18 @@ def reference_comparison(metric: MetricDef, reference: Sequence[float], current:
                         f"external reference figure, not gated (source: {source}; unknown: {unknown}); "
                         "a measured --perf-update-baselines run replaces it",
                         current_noise=robust_rel_noise(cur))
+
+
+def reported(metric: MetricDef, current: Sequence[float], reason: str) -> GateDecision:
+    """A measured figure shown in every report with the ``INFO`` verdict, never gated.
+
+    For numbers a test measures and users need beside the gated ones, but whose noise no stored run
+    has sized yet (e.g. acceptance on a handful of code prompts next to MT-bench's gated acceptance):
+    a stored baseline would gate it with a tolerance nobody measured. ``reason`` says why it is not
+    gated and what it is next to. No finite measurement is a FAIL, like any broken measurement."""
+    cur = [float(v) for v in current if v is not None and math.isfinite(float(v))]
+    if not cur:
+        return GateDecision(metric.name, metric.unit, metric.direction, "FAIL", None, float("nan"), None, None,
+                            None, None, None, None, 0, 0, "no finite measurement (every repeat failed?)")
+    return GateDecision(metric.name, metric.unit, metric.direction, "INFO", None, float(np.median(cur)), None, None,
+                        None, None, None, None, 0, len(cur), reason, current_noise=robust_rel_noise(cur))

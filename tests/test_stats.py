@@ -246,3 +246,13 @@ def test_large_samples_use_the_normal_approximation_deterministically():
     base, cur = noisy(100, 0.02, 12, 1), noisy(90, 0.02, 12, 2)
     p1, p2 = mwu_worse_p(TP, base, cur), mwu_worse_p(TP, base, cur)
     assert p1 == p2 and 0 < p1 < 1e-4
+
+
+def test_a_reported_figure_is_info_in_every_report_and_a_broken_one_fails():
+    from kimi_perf.stats import reported
+
+    d = reported(get_metric("accept_length"), [1.33], "reported, not gated: 4 HumanEval prompts")
+    assert d.verdict == "INFO" and d.current == 1.33 and d.baseline is None
+    assert d.message() == ("accept_length (higher is better, tok/step): current 1.330; "
+                           "reported, not gated: 4 HumanEval prompts")
+    assert reported(get_metric("accept_length"), [float("nan")], "x").verdict == "FAIL"
