@@ -29,7 +29,7 @@ from .load.workload import Workload
 from .profiles import Profile, ThroughputSpec
 from .sections import ALIGNMENT_DTYPES, Eagle3Section
 
-__all__ = ["EAGLE3_SCENARIOS", "ENDPOINT_ACCEPTANCE", "THROUGHPUT_SCENARIOS", "eagle3_eval", "eagle3_workload",
+__all__ = ["EAGLE3_CODE", "EAGLE3_SCENARIOS", "ENDPOINT_ACCEPTANCE", "THROUGHPUT_SCENARIOS", "eagle3_code_workload", "eagle3_eval", "eagle3_workload",
            "endpoint_acceptance_workload", "matrix_workload", "scenario_workload",
            "prefix_workload", "prefix_workloads", "slo_workload", "throughput_workload", "unreachable"]
 
@@ -39,6 +39,8 @@ THROUGHPUT_SCENARIOS = {"single_stream": "single", "decode_floor": "single",
 EAGLE3_SCENARIOS = frozenset({"eagle3_acceptance", "eagle3_speedup", "eagle3_planted_offset"})
 # --perf-url: the acceptance of whatever drafter the existing endpoint serves (its counters), on MT-bench
 ENDPOINT_ACCEPTANCE = "eagle3_endpoint_acceptance"
+# the session drafter's acceptance on HumanEval code prompts (eagle3.eval.code_prompts), reported
+EAGLE3_CODE = "eagle3_acceptance_code"
 
 
 def eagle3_eval(eagle3: Eagle3Section) -> tuple[int, int, int]:
@@ -55,6 +57,15 @@ def eagle3_workload(profile: Profile) -> str:
         raise ValueError(f"profile {profile.name} has no eagle3 section, so no EAGLE-3 workload")
     n, max_new, steps = eagle3_eval(profile.eagle3)
     return f"mtbench-heldout-{n}x{max_new}-k{steps}"
+
+
+def eagle3_code_workload(profile: Profile) -> str:
+    """The workload key of the code-prompt acceptance report: ``eagle3.eval.code_prompts`` HumanEval
+    tasks (task order), output length and draft steps."""
+    if not profile.eagle3:
+        raise ValueError(f"profile {profile.name} has no eagle3 section, so no EAGLE-3 workload")
+    _, max_new, steps = eagle3_eval(profile.eagle3)
+    return f"humaneval-{profile.eagle3.eval.code_prompts}x{max_new}-k{steps}"
 
 
 def endpoint_acceptance_workload(profile: Profile) -> str:
@@ -124,6 +135,8 @@ def scenario_workload(profile: Profile, scenario: str, concurrency: int = 1) -> 
         return eagle3_workload(profile)
     if scenario == ENDPOINT_ACCEPTANCE:
         return endpoint_acceptance_workload(profile)
+    if scenario == EAGLE3_CODE:
+        return eagle3_code_workload(profile)
     if scenario == "prefix_cache":
         if profile.throughput is None:
             raise ValueError(f"profile {profile.name} has no throughput section, so no prefix_cache workload")
@@ -232,9 +245,11 @@ def unreachable(profile: Profile, key: BaselineKey) -> str | None:
             return "decode_floor runs only with throughput.min_floor_ratio set"
         want = throughput_workload(tp, s, key.concurrency)
         return None if key.workload == want else f"workload {key.workload!r}: the profile's {s} runs {want!r}"
-    if s in EAGLE3_SCENARIOS or s == ENDPOINT_ACCEPTANCE:
+    if s in EAGLE3_SCENARIOS or s in (ENDPOINT_ACCEPTANCE, EAGLE3_CODE):
         if not profile.eagle3:
             return f"the profile has no eagle3 section, so no {s}"
+        if s == EAGLE3_CODE and not profile.eagle3.eval.code_prompts:
+            return "eagle3.eval.code_prompts is 0, so no code-prompt acceptance"
         # an endpoint (--perf-url) is measured as any of the profile's engines
         engines = tuple(profile.engines) if s == ENDPOINT_ACCEPTANCE else profile.eagle3.engines
         if s == "eagle3_acceptance" and "vllm" in profile.engines:

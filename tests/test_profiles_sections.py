@@ -42,6 +42,7 @@ def _write(tmp_path: Path, base: str, **sections: object) -> Path:
     ("eagle3", {"steps": True}, "eagle3.steps"),
     ("eagle3", {"eval": {"prompts": True}}, "eagle3.eval.prompts"),
     ("eagle3", {"eval": {"min_speedup": False}}, "eagle3.eval.min_speedup"),
+    ("eagle3", {"eval": {"code_prompts": True}}, "eagle3.eval.code_prompts"),
     ("alignment", {"prompts": True}, "alignment.prompts"),
     ("alignment", {"margin": True}, "alignment.margin"),
     ("nccl", {"presets": ["default", "seed-pcie-tuned"], "concurrency": [True]}, "nccl.concurrency"),
@@ -62,6 +63,8 @@ def test_bools_are_refused_where_numbers_are_expected_naming_file_and_key(tmp_pa
     ("allreduce", {"preferred": "ll-only"}, r"allreduce.preferred: 'll-only' is not one of the compared presets"),
     ("eagle3", {"matrix": {"rows": ["hf"], "engines": ["sglang-x"]}}, r"eagle3.matrix: engines must be"),
     ("eagle3", {"recipe": ["data"]}, r"eagle3.recipe: must be an object"),
+    ("eagle3", {"eval": {"code_prompts": -1}}, r"eagle3.eval.code_prompts"),
+    ("eagle3", {"eval": {"code_prompts": 2.5}}, r"eagle3.eval.code_prompts"),
 ])
 def test_section_errors_name_the_key_and_the_fix(tmp_path, section, value, match):
     with pytest.raises(ProfileError, match=match + ".*Fix: "):

@@ -50,6 +50,10 @@ class DrafterHandle:
     feature_dir: Path | None
     heldout_ids: tuple[str, ...]
     report: dict[str, Any]
+    # HumanEval prompts (eagle3.eval.code_prompts) whose served acceptance is reported next to MT-bench's,
+    # or why there are none (the data is not fetched): only the code-prompt test skips for that
+    code_prompts: tuple[tuple[int, ...], ...] = ()
+    code_missing: str = ""
 
 
 def _eagle_section(s: Eagle3Settings) -> Eagle3Section:
@@ -104,7 +108,7 @@ def session_drafter(s: Eagle3Settings, target: TargetModel, pool: ServerPool) ->
         held = [c for c in load_mtbench() if stable_split(c.id, DataConfig.held_out_fraction) == "heldout"]
         prompts = tuple(tuple(chat_prompt_ids(tok, [c.turns[0]])) for c in held[:n_eval])
         _check_prompt_count(s, len(prompts), n_eval, "the stable MT-bench held-out split")
-        return DrafterHandle(p, steps, prompts, None, (), {"source": str(p)})
+        return DrafterHandle(p, steps, prompts, None, (), {"source": str(p)}, *code_prompts(s, tok))
     from kimi_perf.eagle3.pipeline import build_drafter, heldout_prompts
 
     if e.recipe is None:
@@ -153,7 +157,31 @@ def session_drafter(s: Eagle3Settings, target: TargetModel, pool: ServerPool) ->
         pytest.skip("no held-out MT-bench prompts were generated for evaluation")
     _check_prompt_count(s, len(held_out), n_eval, "the recipe's held-out samples")
     return DrafterHandle(art.path, steps, tuple(tuple(p) for p in held_out), art.feature_dir, art.heldout_ids,
-                         art.report)
+                         art.report, *code_prompts(s, tok))
+
+
+def code_prompts(s: Eagle3Settings, tokenizer: Any) -> tuple[tuple[tuple[int, ...], ...], str]:
+    """The first ``eagle3.eval.code_prompts`` HumanEval tasks as chat prompts, in task order, and ""; or
+    no prompts and why (the data is not fetched: its fetch command).
+
+    Why HumanEval for every drafter, trained here or passed with --perf-drafter: it is evaluation-only
+    in every recipe (kimi_perf.eagle3.data.EVAL_ONLY_SOURCES), so no drafter trained by the suite saw
+    it, and the chat template is the one the recipe's own held-out samples get, so the prompts are the
+    same ids either way. Missing data is not the drafter's problem: the MT-bench tests run, and the
+    code-prompt test skips with the reason (fails under ``CI=true`` or a named profile)."""
+    n = _eagle_section(s).eval.code_prompts
+    if n == 0:
+        return (), ""
+    from kimi_perf.data import chat_prompt_ids, load_humaneval
+
+    try:
+        tasks = load_humaneval()
+    except FileNotFoundError as e:
+        return (), f"eagle3.eval.code_prompts is {n}: {e}"
+    if len(tasks) < n:
+        raise pytest.UsageError(f"profile {s.servers.profile_path}: eagle3.eval.code_prompts is {n} but HumanEval has "
+                                f"{len(tasks)} tasks; set it to {len(tasks)} or fewer")
+    return tuple(tuple(chat_prompt_ids(tokenizer, [t.turns[0]])) for t in tasks[:n]), ""
 
 
 def generator_config(s: Eagle3Settings, data: Any, target: TargetModel) -> Any:
@@ -236,6 +264,7 @@ class ABResult:
     spec: list[Any] = field(default_factory=list)
     versions: dict[str, str | None] = field(default_factory=dict)
     configs: dict[str, str] = field(default_factory=dict)  # side -> config name (server log name)
+    code: Any = None  # AcceptanceResult of one pass over the drafter's code prompts (eagle3.eval.code_prompts)
 
     def median_accept_length(self) -> float:
         return float(np.median([r.accept_length for r in self.spec]))
@@ -290,6 +319,14 @@ class Eagle3Runs:
                     getattr(out, name).append(res)
                     log(f"eagle3 A/B [{engine}] repeat {r + 1}/{self.settings.repeats} {name}: {res.output_tok_s:.1f} tok/s"
                         + (f", accept length {res.accept_length:.2f}" if name == "spec" else ""))
+            if self.drafter.code_prompts:
+                # acceptance is deterministic under greedy decoding: one pass reads it; the speed of
+                # this pass is not compared (no plain side), so one pass is all it costs
+                srv = self.pool.get(cfgs["spec"])
+                out.code = measure_generation(srv.base_url, srv.model, [list(p) for p in self.drafter.code_prompts],
+                                              max_new, name=f"eagle3-{engine}-spec-code")
+                log(f"eagle3 [{engine}] code prompts ({len(self.drafter.code_prompts)} HumanEval): accept length "
+                    f"{out.code.accept_length:.2f}")
             if while_up is not None:
                 while_up({name: self.pool.get(cfg) for name, cfg in cfgs.items()})
         except Exception as e:
