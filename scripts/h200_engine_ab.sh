@@ -24,7 +24,8 @@
 # Environment: ENGINE (sglang|vllm), VARIANTS (default: same and the profile's variants of ENGINE),
 # NEXT_VARIANTS (replaces the list of the running job from its next A/B on; NAME@key=json,... runs
 # NAME with those profile overrides, e.g. same@pin_cpus=true or same@engines.sglang.sleep_on_idle=false;
-# the token `align` runs the engine's alignment tests on identical code instead of an A/B),
+# the token `align` runs the engine's alignment tests on identical code instead of an A/B, and `repro`
+# (vLLM) the standalone reproduction of its decode-path capture fault),
 # PYTEST_ARGS (extra pytest arguments, shell-quoted: "-k 'accept_length or alignment'"; "-k throughput"
 # when only speed fits the lease), WAIT (seconds this call waits on the job, default 480), RESTART=1
 # (start the ended job again), WH (wheelhouse folder here, default /work/wheelhouse; keep it outside the
@@ -219,7 +220,21 @@ json.dump(p, open(sys.argv[2], "w"), indent=1)
 PY
     fi
     eval "extra=(${PYTEST_ARGS:-})"  # shell words, so a -k expression may hold spaces
-    if [ "$base" = align ]; then
+    if [ "$base" = repro ]; then
+      # not a test: the standalone reproduction of vLLM's decode-path capture fault an upstream report
+      # would carry (scripts/repro_vllm_decode_capture.py; exit 0 agree, 1 reproduced, 2 prompt rows too, 3 setup)
+      echo "[job] $engine standalone decode-path reproduction ($v): start ($(date -u +%H:%M:%S))"
+      model=$(python3 -m kimi_perf.models.embedded | tail -1)
+      python3 scripts/repro_vllm_decode_capture.py --python "/tmp/$engine-python" --model "$model" \
+        --layers 2,15,27,30 --max-tokens 32 --extra "--gpu-memory-utilization 0.3" \
+        2>&1 | tee "$rep/pytest.log"
+      rc=${PIPESTATUS[0]}
+      echo "[job] $engine $v: exit $rc ($(date -u +%H:%M:%S))"
+      case "$rc" in 0|1|2) echo "$rc" > "$rep/rc" ;; *) echo "$rc" > "$rep/rc-not-done" ;; esac
+      tar czf ab-reports.tgz perf-report/ab-*/summary.md perf-report/ab-*/run.json perf-report/ab-*/pytest.log \
+        perf-report/ab-*/rc* perf-report/ab-*/profile 2>/dev/null
+      continue
+    elif [ "$base" = align ]; then
       # not an A/B: the engine's alignment tests on identical code (vs transformers, and vLLM's
       # decode-path check), as a GPU job gating on alignment runs them; PYTEST_ARGS are the A/Bs'
       echo "[job] $engine alignment tests ($v): start ($(date -u +%H:%M:%S))"

@@ -44,6 +44,10 @@ PROMPTS = [[1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203, 29889
            [1, 1724, 338, 278, 7483, 310, 3444, 29973] * 6]
 
 
+class SetupError(RuntimeError):
+    """The comparison could not be made (server, response): exit 3, never 1 (1 means reproduced)."""
+
+
 def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -70,7 +74,7 @@ def _capture(url: str, model: str, ids: list[int], max_tokens: int, decode: bool
     res = _post(url, body)
     path = (res.get("kv_transfer_params") or {}).get("hidden_states_path")
     if not path:
-        raise SystemExit(f"setup: no kv_transfer_params.hidden_states_path in the response: {str(res)[:300]}")
+        raise SetupError(f"no kv_transfer_params.hidden_states_path in the response: {str(res)[:300]}")
     return _load(path)
 
 
@@ -102,7 +106,7 @@ def _start(ns: argparse.Namespace, storage: str) -> tuple[subprocess.Popen[bytes
     t0 = time.monotonic()
     while time.monotonic() - t0 < ns.ready_timeout:
         if proc.poll() is not None:
-            raise SystemExit(f"setup: the server exited with code {proc.returncode}; see {log.name}")
+            raise SetupError(f"the server exited with code {proc.returncode}; see {log.name}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=5):  # noqa: S310 - loopback
                 print(f"[repro] ready in {time.monotonic() - t0:.0f}s", flush=True)
@@ -111,7 +115,7 @@ def _start(ns: argparse.Namespace, storage: str) -> tuple[subprocess.Popen[bytes
             time.sleep(2)
             if int(time.monotonic() - t0) % 30 < 2:
                 print(f"[repro] waiting for the server ({time.monotonic() - t0:.0f}s)", flush=True)
-    raise SystemExit(f"setup: not ready after {ns.ready_timeout}s; see {log.name}")
+    raise SetupError(f"not ready after {ns.ready_timeout}s; see {log.name}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
                1: "\nresult: REPRODUCED: generated rows of the decode-path capture disagree, every prompt row agrees",
                2: "\nresult: prompt rows disagree too: the two prefills differ (not the decode-path fault)"}[worst])
         return worst
+    except (SetupError, OSError) as e:
+        print(f"[repro] setup error: {e}", flush=True)
+        return 3
     finally:
         if proc is not None:
             os.killpg(proc.pid, signal.SIGTERM)
