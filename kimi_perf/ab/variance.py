@@ -42,8 +42,8 @@ import numpy as np
 
 from .decide import pair_log_ratio
 
-__all__ = ["aa_bias", "clock_link", "flat_pairs", "noise_note", "noise_rows", "noise_table", "pair_log_ratios", "second_launch_effect",
-           "variance_components"]
+__all__ = ["aa_bias", "clock_link", "flat_pairs", "noise_note", "noise_rows", "noise_table", "pair_log_ratios",
+           "second_launch_effect", "variance_components"]
 
 LEVELS = ("trial", "launch", "block")
 
