@@ -1,5 +1,6 @@
 """EAGLE-3 gates: acceptance and speedup of the session's drafter on every engine of
-``eagle3.engines``, losslessness, and the layer-mismatch failure mode this suite exists to catch.
+``eagle3.engines``, losslessness, and the layer-mismatch failure mode this suite exists to catch; its
+acceptance on HumanEval code prompts is reported beside them (``eagle3.eval.code_prompts``, not gated).
 
 The drafter comes from the ``eagle3_drafter`` fixture (trained and cached on the profile's recipe, or
 ``--perf-drafter``). Speedup is an A/B measured in this run: the same held-out prompts through the same
