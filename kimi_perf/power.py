@@ -116,6 +116,7 @@ def trial_record(out: ABOutcome, plant: float, round_: int) -> dict[str, Any]:
         "launch_order": [[x["role"], x.get("round", 0)] for x in out.launches],
         "cpus": out.cpus,
         "retired": out.retired,  # probe -> the blocks it ran before its metrics PASSED (ab.retire_decided)
+        "sized": out.sized,  # probe -> its measured size (ab.top_min_steady_s)
         "steal_max": max((v for pr in out.pairs for v in (pr.base.get("host_steal_fraction", 0.0),
                                                           pr.candidate.get("host_steal_fraction", 0.0))
                           if math.isfinite(v)), default=None),

@@ -121,6 +121,8 @@ AB = {
     "client_cpus": "CPUs given to the client when pinning",
     "parallel_launch": "start both sides' servers at once and warm them up after (launches of tens of seconds)",
     "retire_decided": "stop measuring a probe once all its gated metrics PASSED (its verdicts stand)",
+    "top_min_steady_s": "seconds the top probe's steady window must last: one repeat per side after the first "
+                        "launch sets num_prompts (grows only, at most 8x; null: ab.top's size)",
     "relaunch": "older spelling of blocks_per_launch: true = 1, false = 0",
 }
 

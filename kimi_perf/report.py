@@ -215,6 +215,8 @@ def ab_detail_lines(results: list[dict[str, Any]]) -> list[str]:
                    f"{ab.get('wall_s', 0):.0f}s, {len(ready)} launches (ready {min(ready, default=0):.1f}-"
                    f"{max(ready, default=0):.1f}s), {redone} pair(s) redone for host steal time; stopped: "
                    f"{ab.get('stopped') or ab.get('error') or '?'}")
+        for probe, rec in (ab.get("sized") or {}).items():  # ab.top_min_steady_s: what the pairs ran
+            out.append(f"  {probe} sized: {rec.get('why', '?')}")
         for d in ab.get("decisions", []):
             out.append(f"  {d['metric']} [{d['probe']}] {d['verdict']}: {d['reason']}")
     return out

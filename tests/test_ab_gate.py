@@ -570,3 +570,79 @@ def test_a_final_inconclusive_verdict_says_where_its_noise_sat():
     same = [dataclasses.replace(p, candidate={"decode_tok_s": 100.0}) for p in pairs]
     [d] = runner._decide_all(dataclasses.replace(out, pairs=same), 1, final=True)
     assert d.verdict == "PASS" and "noise" not in d.reason
+
+
+# -- the top probe sized on the machine (ab.top_min_steady_s) ------------------------------------
+
+
+def test_the_top_probe_grows_until_its_steady_window_would_last_long_enough():
+    """The window lasts about as long as the N - C requests after the first batch, so N - C scales by
+    target / window, in whole batches of C, from the shorter side's window; a long enough window,
+    a missing one, or a size past the cap are each said."""
+    from kimi_perf.ab.runner import size_for_window
+    from kimi_perf.load.workload import Workload
+
+    w = Workload(name="top", input_len=64, output_len=64, num_prompts=384, concurrency=128)
+    rec = size_for_window(w, {"base": 1.0, "candidate": 0.9}, 3.0)
+    assert rec["used"] == 1024 and not rec["capped"]  # 128 + ceil(256 x 3 / 0.9) = 982 -> 8 batches
+    assert "0.90 s < 3 s" in rec["why"] and "384 -> 1024" in rec["why"]
+    assert size_for_window(w, {"base": 4.0, "candidate": 3.5}, 3.0)["used"] == 384  # never shrinks
+    capped = size_for_window(w, {"base": 0.01, "candidate": 0.02}, 3.0)
+    assert capped["used"] == 384 * 8 and capped["capped"] and "capped at 8x" in capped["why"]
+    none = size_for_window(w, {"base": float("nan"), "candidate": 1.0}, 3.0)
+    assert none["used"] == 384 and "no steady window on base" in none["why"]
+    from kimi_perf.ab.config import TOP_MAX_GROWTH
+    from kimi_perf.profile_schema import AB
+
+    assert TOP_MAX_GROWTH == 8 and "at most 8x" in AB["top_min_steady_s"]  # the profile docs say the cap
+
+
+def test_an_ab_sizes_its_top_probe_once_and_every_pair_runs_that_size(monkeypatch):
+    """One discarded repeat per side after the first launch round; the pairs of every later block
+    run the size it gave, the result keeps the configured workload (its key), and run.json and the
+    report say what was run."""
+    from kimi_perf.ab import runner
+    from kimi_perf.bench import RunningServer
+    from kimi_perf.load.workload import Workload
+    from kimi_perf.report import ab_detail_lines
+
+    class StubSide:
+        def __init__(self, role):
+            self.role, self.label = role, f"stub {role}"
+
+        def start(self, cpus=()):
+            return RunningServer(f"stub-{self.role}", "stub", "http://127.0.0.1:9", "m", None, None, version="s")
+
+        def stop(self):
+            pass
+
+    seen: list = []
+
+    def measure(server, workload, prompts, *, label="", max_error_rate=0.02, peer=None):
+        assert len(prompts) == workload.num_prompts
+        seen.append((label, workload.num_prompts))
+        c = workload.concurrency
+        # 100 requests a second once the batch is full: a window of (N - C) / 100 s
+        return {"decode_tok_s": 50.0, "output_throughput": 900.0, "host_steal_fraction": 0.0,
+                "steady_window_s": (workload.num_prompts - c) / 100 if workload.num_prompts > c else float("nan")}
+
+    monkeypatch.setattr(runner, "measure_repeat", measure)
+    top = Workload(name="top", input_len=4, output_len=8, num_prompts=96, concurrency=32)
+    single = Workload(name="one", input_len=4, output_len=8, num_prompts=1, concurrency=1)
+    probes = [runner.Probe("single_stream", single, ("decode_tok_s",)), runner.Probe("c32", top, ("output_throughput",))]
+    spec = ABSpec(min_blocks=2, max_blocks=4, repeats_per_block=1, blocks_per_launch=2, top_min_steady_s=2.0)
+    assert "top probe sized to a 2 s steady window" in spec.launch_schedule
+    out = runner.run_ab(StubSide("base"), StubSide("candidate"), probes, spec, lambda w, i: [[1, 2]] * w.num_prompts)
+    sizing = [x for x in seen if "sizing" in x[0]]
+    assert sizing == [("base c32 sizing", 96), ("candidate c32 sizing", 96)]  # once, at the configured size
+    assert {n for lbl, n in seen if lbl.startswith("A/B") and "c32" in lbl} == {256}  # 32 + 200 -> 8 batches
+    assert {n for lbl, n in seen if lbl.startswith("A/B") and "single_stream" in lbl} == {1}
+    assert out.probes[1].workload.num_prompts == 96  # the configured size names the result
+    rec = out.to_json()["sized"]["c32"]
+    assert rec["configured"] == 96 and rec["used"] == 256 and rec["steady_window_s"] == {"base": 0.64,
+                                                                                         "candidate": 0.64}
+    lines = ab_detail_lines([{"nodeid": "perf_tests/t.py::test_x", "ab": out.to_json()}])
+    assert any("c32 sized: steady window 0.64 s < 2 s (ab.top_min_steady_s): 96 -> 256 prompts" in x for x in lines)
+    with pytest.raises(ABConfigError, match="top_min_steady_s"):
+        parse_ab({"top_min_steady_s": 0}, hardware="cuda")
+    assert parse_ab({"top_min_steady_s": 3}, hardware="cuda").top_min_steady_s == 3

@@ -17,8 +17,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ABConfigError", "ABSpec", "Variant", "describe_launches", "parallel_launch_problem", "parse_ab",
-           "parse_variants", "probe_role"]
+__all__ = ["TOP_MAX_GROWTH", "ABConfigError", "ABSpec", "Variant", "describe_launches", "parallel_launch_problem",
+           "parse_ab", "parse_variants", "probe_role"]
+
+
+# the most ab.top_min_steady_s may grow the top probe: a window far too short (a probe that never fills
+# its batch, a server that answers instantly) must not turn one repeat into minutes
+TOP_MAX_GROWTH = 8
 
 
 class ABConfigError(ValueError):
@@ -74,12 +79,21 @@ class ABSpec:
     # is ~85% of a block while single-stream decode is the metric that needs the most blocks, so the
     # blocks after C=128 is decided cost a fraction of the first ones (docs/ab-gate.md)
     retire_decided: bool = False
+    # size the top probe on the machine it runs on: after the first launch round, one discarded repeat
+    # per side measures the probe's steady window (C requests in flight, kimi_perf.load.results); when
+    # the shorter of the two lasts less than this many seconds, num_prompts grows so that it would last
+    # this long (at most TOP_MAX_GROWTH x). Why not a fixed size: one size is a 0.9-1.1 s window for
+    # vLLM 0.26 on an H100 (~19K tok/s; 13.8% between blocks at C=128) and 1.5-1.7 s for SGLang 0.5.17
+    # (3.6%), and longer still for a slower deployment; pyperf calibrates its loops to a minimum time
+    # for the same reason. None: the size ab.top gives
+    top_min_steady_s: float | None = None
 
     @property
     def launch_schedule(self) -> str:
         """The launch schedule in words, for reports (and whether decided probes are retired)."""
         return (describe_launches(self.blocks_per_launch, self.pin_cpus, self.parallel_launch)
-                + (", a probe stops once its metrics PASS" if self.retire_decided else ""))
+                + (", a probe stops once its metrics PASS" if self.retire_decided else "")
+                + (f", top probe sized to a {self.top_min_steady_s:g} s steady window" if self.top_min_steady_s else ""))
 
     def repeats_for(self, probe: str) -> int:
         """Pairs per block of ``probe`` (a probe name, "single_stream" or "c128", or its role "top")."""
@@ -148,6 +162,9 @@ class ABSpec:
                             f"of 2 x {k} = {2 * k}: the comparison decides only after whole ABBA launch cycles)")
         if isinstance(self.client_cpus, bool) or not isinstance(self.client_cpus, int) or self.client_cpus < 1:
             problems.append(f"client_cpus {self.client_cpus!r} (an integer >= 1)")
+        m = self.top_min_steady_s
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m <= 60):
+            problems.append(f"top_min_steady_s {m!r} (seconds in (0, 60], e.g. 3, or null to keep ab.top's size)")
         if self.accept_prompts < 2:
             problems.append(f"accept_prompts {self.accept_prompts} (>= 2)")
         if problems:

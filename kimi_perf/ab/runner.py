@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
@@ -46,13 +46,13 @@ from ..load.workload import Workload
 from ..metrics import METRICS
 from ..procstat import ProcessTreeCPU, host_cpu
 from ..progress import log
-from .config import ABSpec
+from .config import TOP_MAX_GROWTH, ABSpec, probe_role
 from .decide import ABDecision, decide, log_ratio
 from .pinning import CPUPlan, plan_cpus
 from .variance import flat_pairs, noise_note
 
 __all__ = ["ABOutcome", "ABSideError", "PairRecord", "Probe", "Side", "launch_together", "measure_repeat", "run_ab",
-           "run_ab_prompts", "stop_reason"]
+           "run_ab_prompts", "size_for_window", "stop_reason"]
 
 
 class Side(Protocol):
@@ -107,6 +107,7 @@ class ABOutcome:
     error: str | None = None
     cpus: dict[str, Any] = field(default_factory=dict)  # the CPU plan (pinning) or why there is none
     retired: dict[str, int] = field(default_factory=dict)  # probe -> blocks it ran (ab.retire_decided)
+    sized: dict[str, dict[str, Any]] = field(default_factory=dict)  # probe -> its sizing (ab.top_min_steady_s)
 
     @property
     def verdicts(self) -> dict[str, str]:
@@ -130,7 +131,7 @@ class ABOutcome:
             "pairs": [asdict(p) for p in self.pairs], "decisions": [asdict(d) for d in self.decisions],
             "launches": self.launches, "versions": self.versions, "blocks": self.blocks,
             "wall_s": self.wall_s, "stopped": self.stopped, "error": self.error, "cpus": self.cpus,
-            "retired": self.retired,
+            "retired": self.retired, "sized": self.sized,
         }
 
 
@@ -191,6 +192,37 @@ def measure_repeat(server: RunningServer, workload: Workload, prompts: Sequence[
     if peer is not None:
         m["peer_cpu_util"] = peer_s / wall if (peer_s is not None and wall > 0) else float("nan")
     return m
+
+
+def size_for_window(workload: Workload, windows: Mapping[str, float], min_steady_s: float) -> dict[str, Any]:
+    """How many prompts ``workload`` needs for a steady window of ``min_steady_s`` seconds, given the
+    windows one repeat of it had on each side (``steady_window_s``; NaN: C was never in flight).
+
+    The window runs from the moment C requests are in flight to the first end after the last send, so
+    it lasts about as long as the server takes for the N - C requests after the first batch: it grows
+    linearly with N - C. The shorter side's window sets the size (both sides run the same prompts),
+    rounded up to whole batches of C and at most ``TOP_MAX_GROWTH`` times the given size. Never
+    shrinks: a profile's size is a floor."""
+    n, c = workload.num_prompts, workload.concurrency
+    seen = {k: float(v) for k, v in windows.items()}
+    rec: dict[str, Any] = {"configured": n, "used": n, "min_steady_s": float(min_steady_s),
+                           "steady_window_s": seen, "capped": False}
+    finite = [w for w in seen.values() if math.isfinite(w) and w > 0]
+    if len(finite) < len(seen) or not finite:
+        rec["why"] = (f"no steady window on {', '.join(k for k, w in seen.items() if not (math.isfinite(w) and w > 0))} "
+                      f"({n} prompts never had {c} in flight): kept {n}")
+        return rec
+    w = min(finite)
+    if w >= min_steady_s:
+        rec["why"] = f"steady window {w:.2f} s >= {min_steady_s:g} s: kept {n}"
+        return rec
+    need = c + math.ceil(max(n - c, 1) * min_steady_s / w)
+    need = -(-need // c) * c  # whole batches of C
+    cap = n * TOP_MAX_GROWTH
+    rec["used"], rec["capped"] = min(need, cap), need > cap
+    rec["why"] = (f"steady window {w:.2f} s < {min_steady_s:g} s (ab.top_min_steady_s): {n} -> {rec['used']} prompts"
+                  + (f" (capped at {TOP_MAX_GROWTH}x; {need} wanted)" if need > cap else ""))
+    return rec
 
 
 def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
@@ -269,6 +301,29 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
                 out.error = f"{role} failed its warm-up: {e}"
                 raise ABSideError(role, sides[role].label, f"warm-up failed: {e}", _FIX[role], out) from None
 
+    # the workloads the pairs run: the probes' own, unless ab.top_min_steady_s sized one (size_top);
+    # out.probes keeps the configured ones, which name the result (its key stays the profile's)
+    work = {p.name: p.workload for p in probes}
+
+    def size_top() -> None:
+        """ab.top_min_steady_s: one discarded repeat of each top probe per side, after the first launch
+        round's warm-ups, sets the size every pair of the comparison then runs."""
+        assert spec.top_min_steady_s is not None
+        for p in (p for p in probes if probe_role(p.name) == "top"):
+            windows = {}
+            for role in ("base", "candidate"):
+                try:
+                    m = measure_repeat(running[role], p.workload, prompts_for(p.workload, 20_000),
+                                       label=f"{role} {p.name} sizing")
+                except BenchFailure as e:
+                    out.error = f"{role} failed its sizing repeat: {e}"
+                    raise ABSideError(role, sides[role].label, f"sizing repeat failed: {e}", _FIX[role], out) from None
+                windows[role] = m.get("steady_window_s", float("nan"))
+            rec = size_for_window(p.workload, windows, spec.top_min_steady_s)
+            out.sized[p.name] = rec
+            work[p.name] = replace(p.workload, num_prompts=rec["used"])
+            log(f"A/B sizing {p.name}: {rec['why']}")
+
     def stop_all() -> None:
         for role in list(running):
             sides[role].stop()
@@ -278,7 +333,7 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
         try:
             other = running.get("candidate" if role == "base" else "base")
             t = time.monotonic()
-            m = measure_repeat(running[role], probe.workload, prompts, label=f"A/B {role} {probe.name}", peer=other)
+            m = measure_repeat(running[role], work[probe.name], prompts, label=f"A/B {role} {probe.name}", peer=other)
             if clocks is not None:
                 m.update(clocks.window(t, time.monotonic()))
             return m
@@ -298,11 +353,13 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
                 stop_all()
                 # alternate which side launches first, round by round (ABBA over launches)
                 launch_round(("base", "candidate") if rnd % 2 == 0 else ("candidate", "base"), b)
+                if b == 0 and spec.top_min_steady_s:
+                    size_top()
             redo_left = spec.max_redo
             for i in range(max(spec.repeats_for(p.name) for p in probes)):
                 first, second = order if i % 2 == 0 else order[::-1]
                 for probe in (p for p in active() if i < spec.repeats_for(p.name)):
-                    prompts = prompts_for(probe.workload, pair_serial)
+                    prompts = prompts_for(work[probe.name], pair_serial)
                     redone = 0
                     while True:
                         r = {first: one(first, probe, prompts), second: one(second, probe, prompts)}
