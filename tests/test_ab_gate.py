@@ -589,6 +589,8 @@ def test_the_top_probe_grows_until_its_steady_window_would_last_long_enough():
     assert size_for_window(w, {"base": 4.0, "candidate": 3.5}, 3.0)["used"] == 384  # never shrinks
     capped = size_for_window(w, {"base": 0.01, "candidate": 0.02}, 3.0)
     assert capped["used"] == 384 * 8 and capped["capped"] and "capped at 8x" in capped["why"]
+    one_batch = dataclasses.replace(w, num_prompts=8, concurrency=8)  # its window is about one request
+    assert size_for_window(one_batch, {"base": 0.5, "candidate": 0.6}, 3.0)["used"] == 56  # 8 + 8 x 6
     none = size_for_window(w, {"base": float("nan"), "candidate": 1.0}, 3.0)
     assert none["used"] == 384 and "no steady window on base" in none["why"]
     from kimi_perf.ab.config import TOP_MAX_GROWTH

@@ -200,9 +200,11 @@ def size_for_window(workload: Workload, windows: Mapping[str, float], min_steady
 
     The window runs from the moment C requests are in flight to the first end after the last send, so
     it lasts about as long as the server takes for the N - C requests after the first batch: it grows
-    linearly with N - C. The shorter side's window sets the size (both sides run the same prompts),
-    rounded up to whole batches of C and at most ``TOP_MAX_GROWTH`` times the given size. Never
-    shrinks: a profile's size is a floor."""
+    linearly with N - C (measured vLLM windows at 384 x 64 tokens, C=128: 2.0-2.6 times one request's
+    time, where N - C is two batches). A probe of a single batch (N = C, the CPU profile's C=8) still
+    has a window of about one request, so it counts as one batch, not zero. The shorter side's window
+    sets the size (both sides run the same prompts), rounded up to whole batches of C and at most
+    ``TOP_MAX_GROWTH`` times the given size. Never shrinks: a profile's size is a floor."""
     n, c = workload.num_prompts, workload.concurrency
     seen = {k: float(v) for k, v in windows.items()}
     rec: dict[str, Any] = {"configured": n, "used": n, "min_steady_s": float(min_steady_s),
@@ -216,7 +218,7 @@ def size_for_window(workload: Workload, windows: Mapping[str, float], min_steady
     if w >= min_steady_s:
         rec["why"] = f"steady window {w:.2f} s >= {min_steady_s:g} s: kept {n}"
         return rec
-    need = c + math.ceil(max(n - c, 1) * min_steady_s / w)
+    need = c + math.ceil(max(n - c, c) * min_steady_s / w)
     need = -(-need // c) * c  # whole batches of C
     cap = n * TOP_MAX_GROWTH
     rec["used"], rec["capped"] = min(need, cap), need > cap
