@@ -200,8 +200,8 @@ def size_for_window(workload: Workload, windows: Mapping[str, float], min_steady
 
     The window runs from the moment C requests are in flight to the first end after the last send, so
     it lasts about as long as the server takes for the N - C requests after the first batch: it grows
-    linearly with N - C (measured vLLM windows at 384 x 64 tokens, C=128: 2.0-2.6 times one request's
-    time, where N - C is two batches). A probe of a single batch (N = C, the CPU profile's C=8) still
+    linearly with N - C (vLLM's 0.86-1.13 s at 384 x 64 tokens, C=128 and ~19K tok/s is two to three
+    requests' time, where N - C is two batches). A probe of a single batch (N = C, the CPU profile's C=8) still
     has a window of about one request, so it counts as one batch, not zero. The shorter side's window
     sets the size (both sides run the same prompts), rounded up to whole batches of C and at most
     ``TOP_MAX_GROWTH`` times the given size. Never shrinks: a profile's size is a floor."""
