@@ -156,6 +156,13 @@ _FIX = {
 }
 
 
+def _side_error(out: ABOutcome, role: str, label: str, error: str, cause: str) -> ABSideError:
+    """Record on ``out`` why ``role`` could not be measured (``out.error``) and return the error to
+    raise, which carries the outcome so far and the side's fix."""
+    out.error = f"{role} {error}"
+    return ABSideError(role, label, cause, _FIX[role], out)
+
+
 def _pgid(server: RunningServer | None) -> int | None:
     if server is None or server.process is None or server.process.pid is None:
         return None
@@ -209,12 +216,11 @@ def size_for_window(workload: Workload, windows: Mapping[str, float], min_steady
     seen = {k: float(v) for k, v in windows.items()}
     rec: dict[str, Any] = {"configured": n, "used": n, "min_steady_s": float(min_steady_s),
                            "steady_window_s": seen, "capped": False}
-    finite = [w for w in seen.values() if math.isfinite(w) and w > 0]
-    if len(finite) < len(seen) or not finite:
-        rec["why"] = (f"no steady window on {', '.join(k for k, w in seen.items() if not (math.isfinite(w) and w > 0))} "
-                      f"({n} prompts never had {c} in flight): kept {n}")
+    missing = [k for k, w in seen.items() if not (math.isfinite(w) and w > 0)]
+    if missing or not seen:
+        rec["why"] = f"no steady window on {', '.join(missing)} ({n} prompts never had {c} in flight): kept {n}"
         return rec
-    w = min(finite)
+    w = min(seen.values())
     if w >= min_steady_s:
         rec["why"] = f"steady window {w:.2f} s >= {min_steady_s:g} s: kept {n}"
         return rec
@@ -257,8 +263,8 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
     def started(role: str, block: int, srv: RunningServer | BaseException, t: float) -> None:
         """Record a launch (or turn its failure into the side's error); warm-ups come after."""
         if isinstance(srv, (ServerError, BenchFailure)):
-            out.error = f"{role} did not start: {srv}"
-            raise ABSideError(role, sides[role].label, f"server did not start: {srv}", _FIX[role], out) from None
+            raise _side_error(out, role, sides[role].label, f"did not start: {srv}",
+                              f"server did not start: {srv}") from None
         if isinstance(srv, BaseException):
             raise srv
         running[role] = srv
@@ -300,8 +306,7 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
                 measure_repeat(srv, warm_w, prompts_for(warm_w, 10_000 + block), label=f"{role} {p.name} warm-up",
                                max_error_rate=0.5)
             except BenchFailure as e:
-                out.error = f"{role} failed its warm-up: {e}"
-                raise ABSideError(role, sides[role].label, f"warm-up failed: {e}", _FIX[role], out) from None
+                raise _side_error(out, role, sides[role].label, f"failed its warm-up: {e}", f"warm-up failed: {e}") from None
 
     # the workloads the pairs run: the probes' own, unless ab.top_min_steady_s sized one (size_top);
     # out.probes keeps the configured ones, which name the result (its key stays the profile's)
@@ -312,14 +317,13 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
         round's warm-ups, sets the size every pair of the comparison then runs."""
         assert spec.top_min_steady_s is not None
         for p in (p for p in probes if probe_role(p.name) == "top"):
-            windows = {}
+            windows, prompts = {}, prompts_for(p.workload, 20_000)  # the same prompts on both sides
             for role in ("base", "candidate"):
                 try:
-                    m = measure_repeat(running[role], p.workload, prompts_for(p.workload, 20_000),
-                                       label=f"{role} {p.name} sizing")
+                    m = measure_repeat(running[role], p.workload, prompts, label=f"{role} {p.name} sizing")
                 except BenchFailure as e:
-                    out.error = f"{role} failed its sizing repeat: {e}"
-                    raise ABSideError(role, sides[role].label, f"sizing repeat failed: {e}", _FIX[role], out) from None
+                    raise _side_error(out, role, sides[role].label, f"failed its sizing repeat: {e}",
+                                      f"sizing repeat failed: {e}") from None
                 windows[role] = m.get("steady_window_s", float("nan"))
             rec = size_for_window(p.workload, windows, spec.top_min_steady_s)
             out.sized[p.name] = rec
@@ -340,8 +344,8 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
                 m.update(clocks.window(t, time.monotonic()))
             return m
         except BenchFailure as e:
-            out.error = f"{role} failed during measurement: {e}"
-            raise ABSideError(role, sides[role].label, f"requests failed: {e}", _FIX[role], out) from None
+            raise _side_error(out, role, sides[role].label, f"failed during measurement: {e}",
+                              f"requests failed: {e}") from None
 
     client_affinity = _pin_client(plan)
     # the GPU's SM clock and power during each repeat (none on a CPU box): a side that read slower
@@ -499,8 +503,7 @@ def run_ab_prompts(base: Side, candidate: Side, prompts: Sequence[Sequence[int]]
             try:
                 running[role] = sides[role].start()
             except ServerError as e:
-                out.error = f"{role} did not start: {e}"
-                raise ABSideError(role, sides[role].label, f"server did not start: {e}", _FIX[role], out) from None
+                raise _side_error(out, role, sides[role].label, f"did not start: {e}", f"server did not start: {e}") from None
             out.versions[role] = running[role].version
             _check_source(running[role], role, sides[role], out)
             out.launches.append({"role": role, "block": 0, "wall_s": time.monotonic() - t,
@@ -512,8 +515,8 @@ def run_ab_prompts(base: Side, candidate: Side, prompts: Sequence[Sequence[int]]
                 try:
                     vals[role] = float(measure(running[role], p))
                 except (BenchFailure, RuntimeError, OSError) as e:
-                    out.error = f"{role} failed on prompt {i}: {e}"
-                    raise ABSideError(role, sides[role].label, f"measurement failed: {e}", _FIX[role], out) from None
+                    raise _side_error(out, role, sides[role].label, f"failed on prompt {i}: {e}",
+                                      f"measurement failed: {e}") from None
             out.pairs.append(PairRecord(i, 0, probe, order[0], {metric: vals["base"]}, {metric: vals["candidate"]}))
             out.blocks = i + 1
         out.decisions = _decide_all(out, 1, final=True)
