@@ -83,7 +83,8 @@ def add_options(parser: pytest.Parser) -> None:
     g.addoption("--perf-train-drafter", action="store_true", default=False,
                 help="train the profile's EAGLE-3 drafter recipe through the cached pipeline even when a drafter "
                      "shipped with kimi-perf matches it (recipe digests, target fingerprint, file hashes); CI "
-                     "passes it so training stays tested. Without it a matching shipped drafter is served")
+                     "passes it so training stays tested. Without it a matching shipped drafter is served. The reduced "
+                     "matrix's row drafters are served when shipped either way")
     g.addoption("--perf-vllm-python", default=None, metavar="PATH",
                 help="python interpreter of the environment that has vLLM (env KIMI_PERF_VLLM_PYTHON; default "
                      ".venv-vllm/bin/python when scripts/setup.sh --full made it)")

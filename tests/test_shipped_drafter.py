@@ -151,7 +151,7 @@ def test_every_trained_row_of_the_reduced_matrix_is_shipped():
     for row in trained:
         bundle, why = find_shipped(_row_recipe(row.name), fp)
         assert bundle is not None, (f"matrix row {row.name}: {why}. Fix: run the reduced matrix "
-                                    "(pytest -m perf perf_tests/test_matrix.py --perf-train-drafter), then python -m "
+                                    "(pytest -m perf perf_tests/test_matrix.py: a row without a matching bundle trains), then python -m "
                                     f"kimi_perf.eagle3.shipped export --row {row.name}, and commit the bundle")
 
 

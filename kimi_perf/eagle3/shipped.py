@@ -14,8 +14,9 @@ pipeline uses) and the sha256 of every file:
   (``tests/test_shipped_drafter.py`` fails until the bundle is re-exported, so the main job stays fast);
 * a file whose hash differs from the manifest -> :class:`ShippedDrafterError`, never served (a corrupt
   checkout or a hand edit must not be measured as "the drafter");
-* ``--perf-train-drafter`` ignores the bundle and runs the pipeline (CI passes it, so training stays
-  tested end to end on every merge).
+* ``--perf-train-drafter`` ignores the session drafter's bundle and runs the pipeline (CI passes it, so
+  training stays tested end to end on every merge); the reduced matrix's row bundles are served either
+  way (``kimi_perf.suite.matrix``, ``_shipped``, says why).
 
 The bundle carries the held-out samples the pipeline generated (prompt and response ids), so acceptance
 is measured on the same held-out prompts as a trained drafter's; their training-style features are
