@@ -399,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="benchmarks/gate-power.json", help="JSON to write (continued when it exists)")
     ap.add_argument("--label", default=None, help="machine label in the output (default: the hardware key)")
     ap.add_argument("--max-wall-s", type=float, default=None, help="start no trial after this many seconds")
+    ap.add_argument("--stop-file", type=Path, default=None,
+                    help="start no trial once this file exists (a lease that must end: the running trial is "
+                         "finished and saved, none is lost to a kill)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", type=_key_json,
                     help="override an ab policy field for this study, e.g. blocks_per_launch=3 or pin_cpus=true (JSON values)")
     ap.add_argument("--replay-trials", type=int, default=4000, help="resampled trials per condition (0 = none)")
@@ -531,6 +534,9 @@ def _rounds(ns: Any, plants: list[float], entry: dict[str, Any], sides: Any, pro
             if ns.max_wall_s is not None and time.monotonic() - t_start > ns.max_wall_s:
                 log(f"power: --max-wall-s {ns.max_wall_s:.0f} reached; stopping")
                 return
+            if ns.stop_file is not None and ns.stop_file.exists():
+                log(f"power: {ns.stop_file} exists; stopping before the next trial")
+                return
             base, cand = sides(plant)
             log(f"power: round {r + 1}/{ns.trials}, planted slowdown {plant:.0%} ({time.monotonic() - t_start:.0f}s)")
             try:
@@ -544,8 +550,10 @@ def _rounds(ns: Any, plants: list[float], entry: dict[str, Any], sides: Any, pro
                     raise SystemExit(f"power: two trials in a row failed; stopping (last: {e})") from None
             entry["trials"].append({**trial_record(out, plant, r), "commit": entry.get("commit")})
             t = entry["trials"][-1]
-            log(f"power: planted {plant:.0%} -> {t['verdict']} in {t['blocks']} blocks, {t['wall_s']:.0f}s")
+            # saved before it is announced: a driver that stops the study on this line (a lease ending)
+            # must not kill it while the summary's replay is still being written (one trial was lost so)
             save()
+            log(f"power: planted {plant:.0%} -> {t['verdict']} in {t['blocks']} blocks, {t['wall_s']:.0f}s (saved)")
 
 
 if __name__ == "__main__":

@@ -213,3 +213,34 @@ def test_what_if_replays_stored_studies_under_changed_decision_knobs_only():
                       for b in range(6) for f in (1.0, 1.01, 0.99, 1.0, 1.005)]
     tpot = what_if(doc, {"gated": {"top": ["tpot_ms_p50"]}}, n_trials=20)
     assert "| gpu-x | 0% | 6 | 1.000 | 0.000 | 0.000 | 3 | 3.0 | - | - |" in tpot
+
+
+def test_a_stop_file_ends_the_study_between_trials_and_each_trial_is_saved_before_it_is_announced(
+        tmp_path, monkeypatch):
+    """A lease ends on a clock: its driver stops the study by a file, not a kill, so the running trial
+    is finished and written. The study announces a trial only after saving it: a driver that killed the
+    study on that line once lost a trial whose summary was still being written."""
+    import argparse
+
+    import kimi_perf.power as power
+
+    events: list[str] = []
+    stop = tmp_path / "stop"
+
+    def fake_run_ab(base, cand, probes, spec, prompts):
+        events.append("trial")
+        stop.touch()  # asked to stop while the first trial runs
+        return object()
+
+    monkeypatch.setattr(power, "run_ab", fake_run_ab)
+    monkeypatch.setattr(power, "trial_record", lambda out, plant, r: {"plant": plant, "verdict": "PASS",
+                                                                      "blocks": 4, "wall_s": 1.0})
+    monkeypatch.setattr(power, "log", lambda msg: events.append("announce" if "->" in msg else msg)
+                        if "round" not in msg else None)
+    entry: dict = {"trials": []}
+    ns = argparse.Namespace(trials=3, max_wall_s=None, stop_file=stop)
+    power._rounds(ns, [0.0, 0.05], entry, lambda plant: (None, None), [], SPEC, None, 0.0,
+                  lambda: events.append("save"))
+    assert [t["plant"] for t in entry["trials"]] == [0.0]
+    assert events[:3] == ["trial", "save", "announce"]
+    assert "exists; stopping" in events[-1]
