@@ -27,7 +27,9 @@
 # the token `align` runs the engine's alignment tests on identical code instead of an A/B, and `repro`
 # (vLLM) the standalone reproduction of its decode-path capture fault),
 # PYTEST_ARGS (extra pytest arguments, shell-quoted: "-k 'accept_length or alignment'"; "-k throughput"
-# when only speed fits the lease), WAIT (seconds this call waits on the job, default 480), RESTART=1
+# when only speed fits the lease), WAIT (seconds this call waits on the job, default 480; never past
+# CALL_S, the call's limit, default 600, less what the call spent installing and 30 s to collect: a
+# call that overran its limit once handed nothing back), RESTART=1
 # (start the ended job again), WH (wheelhouse folder here, default /work/wheelhouse; keep it outside the
 # repository).
 set -u
@@ -39,6 +41,13 @@ PY=${PY:-.venv/bin/python}
 DRAFTER=kimi_perf/eagle3/shipped_drafters/a114c67ab3aea404-9b84de8d53f8-03d0b33f6cff-bca767665699/drafter
 # 28 MiB parts: the working tree travels with every call and is ~30 MB of the 64 MiB
 PART=28M
+
+wait_s() {  # WAIT, cut so that the call ends (and hands its files back) before its limit
+  local w=${WAIT:-480} left=$(( ${CALL_S:-600} - SECONDS - 30 ))
+  [ "$left" -lt "$w" ] && w=$left
+  [ "$w" -lt 5 ] && w=5
+  echo "$w"
+}
 
 variants_of() {  # the profile's A/B variants of engine $1, after the A/A
   python3 -c "
@@ -157,7 +166,7 @@ device)
       nproc; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
       python3 scripts/gpu_lease.py start gen -- bash scripts/h200_engine_ab.sh genjob
     fi
-    python3 scripts/gpu_lease.py wait gen --max-s "${WAIT:-480}" --every 60
+    python3 scripts/gpu_lease.py wait gen --max-s "$(wait_s)" --every 60
     python3 scripts/gpu_lease.py collect gen "$OUT" samples-pack generate-summary.json
     exit 0
   fi
@@ -174,7 +183,7 @@ device)
   if [ -n "${NEXT_VARIANTS:-}" ]; then  # the running job takes this list before its next A/B
     echo "$NEXT_VARIANTS" > "/tmp/kimi-lease/ab-$engine/variants"; echo "next A/Bs: $NEXT_VARIANTS"
   fi
-  python3 scripts/gpu_lease.py wait "ab-$engine" --max-s "${WAIT:-480}" --every 60
+  python3 scripts/gpu_lease.py wait "ab-$engine" --max-s "$(wait_s)" --every 60
   python3 scripts/gpu_lease.py collect "ab-$engine" "$OUT" ab-reports.tgz
   ;;
 job)  # runs under gpu_lease in its copy of the tree: one pytest session per A/B, resumable
