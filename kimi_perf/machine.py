@@ -14,10 +14,11 @@ import platform
 import re
 import shutil
 import subprocess
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["commit_info", "gpu_info", "hardware_key", "machine_info"]
+__all__ = ["commit_info", "core_groups", "cpu_topology", "gpu_info", "hardware_key", "machine_info"]
 
 
 def _cpu_model() -> str:
@@ -104,6 +105,52 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def _parse_cpulist(text: str) -> set[int]:
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _sysfs_siblings(cpu: int) -> set[int]:
+    p = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+    try:
+        return _parse_cpulist(p.read_text())
+    except (OSError, ValueError):
+        return {cpu}
+
+
+def core_groups(available: Sequence[int], siblings: Callable[[int], set[int]] = _sysfs_siblings) -> list[tuple[int, ...]]:
+    """The available CPUs grouped by physical core (SMT siblings together), in CPU order."""
+    avail = set(available)
+    groups: list[tuple[int, ...]] = []
+    seen: set[int] = set()
+    for c in sorted(avail):
+        if c in seen:
+            continue
+        g = tuple(sorted((siblings(c) | {c}) & avail))
+        seen.update(g)
+        groups.append(g)
+    return groups
+
+
+def cpu_topology(available: Sequence[int] | None = None,
+                 siblings: Callable[[int], set[int]] = _sysfs_siblings) -> dict[str, int]:
+    """This process's CPUs, the physical cores they sit on and the most SMT threads a core has.
+
+    Why in every run.json: a host-bound engine (a small model on a big GPU) decodes at a speed that
+    depends on whether its busy processes share a core's two hyperthreads, and whether ``ab.pin_cpus``
+    can give each side whole cores depends on the same topology."""
+    if available is None:
+        available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    avail = sorted(available)
+    groups = core_groups(avail, siblings)
+    return {"logical": len(avail), "cores": len(groups), "threads_per_core": max((len(g) for g in groups), default=1)}
+
+
 def machine_info(*, with_torch: bool = False) -> dict[str, Any]:
     info: dict[str, Any] = {
         "node": platform.node(),
@@ -111,6 +158,7 @@ def machine_info(*, with_torch: bool = False) -> dict[str, Any]:
         "python": platform.python_version(),
         "cpu": _cpu_model(),
         "cpu_count": _cpu_count(),
+        "cpu_topology": cpu_topology(),
         "memory_gib": _mem_gib(),
         "gpus": gpu_info(),
         "packages": {d: _version(d) for d in ("torch", "transformers", "aiohttp", "numpy", "scipy", "pandas",

@@ -423,6 +423,18 @@ def test_cpu_plan_gives_whole_cores_to_client_and_equal_shares_to_the_sides():
     assert two.to_json() == {"pinned": False, "why": two.why}
 
 
+def test_run_files_record_the_hosts_cores_and_smt_threads():
+    """Whether a host-bound engine's busy processes can share a core's hyperthreads, and whether
+    pinning can give each side whole cores, depend on this topology: every run.json carries it."""
+    from kimi_perf.machine import cpu_topology, machine_info
+
+    smt = {c: {c, c + 8} if c < 8 else {c - 8, c} for c in range(16)}
+    assert cpu_topology(range(16), lambda c: smt[c]) == {"logical": 16, "cores": 8, "threads_per_core": 2}
+    # an affinity mask holding one thread of each of 3 cores: no SMT sharing is possible inside it
+    assert cpu_topology([0, 1, 2], lambda c: smt[c]) == {"logical": 3, "cores": 3, "threads_per_core": 1}
+    assert set(machine_info()["cpu_topology"]) == {"logical", "cores", "threads_per_core"}
+
+
 def test_a_pinned_launch_runs_the_server_on_its_cpus_only(tmp_path):
     """The affinity is set in the child before exec: the server and every thread it starts run on
     the plan's CPUs (read back from the kernel)."""

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
+
+# the host's core topology is machine.py's (run.json records it too); pinning only splits it
+from ..machine import _sysfs_siblings, core_groups
 
 __all__ = ["CPUPlan", "core_groups", "plan_cpus"]
 
@@ -61,38 +63,6 @@ def _ranges(cpus: Sequence[int]) -> str:
         else:
             out.append(str(c))
     return ",".join(out)
-
-
-def _parse_cpulist(text: str) -> set[int]:
-    out: set[int] = set()
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
-def _sysfs_siblings(cpu: int) -> set[int]:
-    p = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
-    try:
-        return _parse_cpulist(p.read_text())
-    except (OSError, ValueError):
-        return {cpu}
-
-
-def core_groups(available: Sequence[int], siblings: Callable[[int], set[int]] = _sysfs_siblings) -> list[tuple[int, ...]]:
-    """The available CPUs grouped by physical core (SMT siblings together), in CPU order."""
-    avail = set(available)
-    groups: list[tuple[int, ...]] = []
-    seen: set[int] = set()
-    for c in sorted(avail):
-        if c in seen:
-            continue
-        g = tuple(sorted((siblings(c) | {c}) & avail))
-        seen.update(g)
-        groups.append(g)
-    return groups
 
 
 def plan_cpus(available: Sequence[int], *, client: int = 2,
