@@ -123,6 +123,8 @@ AB = {
     "retire_decided": "stop measuring a probe once all its gated metrics PASSED (its verdicts stand)",
     "top_min_steady_s": "seconds the top probe's steady window must last: one repeat per side after the first "
                         "launch sets num_prompts (grows only, at most 8x; null: ab.top's size)",
+    "pair_segments": "k: each pair measured as 2k segments of 1/k the output length, sides in Thue-Morse order "
+                     "(2: A B B A), each side the mean of its k (1: one stream a side)",
     "relaunch": "older spelling of blocks_per_launch: true = 1, false = 0",
 }
 

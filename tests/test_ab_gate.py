@@ -660,3 +660,62 @@ def test_an_ab_sizes_its_top_probe_once_and_every_pair_runs_that_size(monkeypatc
     with pytest.raises(ABConfigError, match="top_min_steady_s"):
         parse_ab({"top_min_steady_s": 0}, hardware="cuda")
     assert parse_ab({"top_min_steady_s": 3}, hardware="cuda").top_min_steady_s == 3
+
+
+def test_pair_segments_cancel_a_drift_across_the_pair_that_one_stream_a_side_turns_into_noise(monkeypatch):
+    """The host's speed falls steadily while a pair is measured (the 2-core VM's CPU speed wanders on a
+    scale of seconds). One stream a side: the side measured second reads slower, by an amount that
+    follows the drift. Two segments a side in A B B A order with each side the mean of its segments:
+    the sides agree exactly, whatever the drift, and the records say what was run."""
+    from kimi_perf.ab import runner
+    from kimi_perf.bench import RunningServer
+    from kimi_perf.load.workload import Workload
+
+    class StubSide:
+        def __init__(self, role):
+            self.role, self.label = role, f"stub {role}"
+
+        def start(self, cpus=()):
+            return RunningServer(f"stub-{self.role}", "stub", "http://127.0.0.1:9", "m", None, None, version="s")
+
+        def stop(self):
+            pass
+
+    clock = [0.0]
+    seen: list = []
+
+    def measure(server, workload, prompts, *, label="", max_error_rate=0.02, peer=None):
+        if label.startswith("A/B"):
+            seen.append((label.split()[1], workload.output_len, prompts[0][0]))
+        start = clock[0]
+        clock[0] += workload.output_len / 10.0  # 10 tokens a second
+        mid = (start + clock[0]) / 2
+        return {"decode_tok_s": 100.0 * (1 - 0.001 * mid), "num_requests": 1.0, "total_output_tokens":
+                float(workload.output_len), "host_steal_fraction": 0.01 if "candidate" in label else 0.0,
+                "ttft_ms_p50": float("nan") if len(seen) % 2 else 5.0}
+
+    monkeypatch.setattr(runner, "measure_repeat", measure)
+    single = Workload(name="one", input_len=4, output_len=48, num_prompts=1, concurrency=1)
+    probes = [runner.Probe("single_stream", single, ("decode_tok_s",))]
+
+    def ratios(k):
+        clock[0] = 0.0
+        seen.clear()
+        spec = ABSpec(min_blocks=2, max_blocks=2, repeats_per_block=2, max_steal=0.5, pair_segments=k)
+        out = runner.run_ab(StubSide("base"), StubSide("candidate"), probes, spec, lambda w, i: [[i, 1]])
+        return out, [p.candidate["decode_tok_s"] / p.base["decode_tok_s"] for p in out.pairs]
+
+    _, plain = ratios(1)
+    assert all(abs(r - 1) > 1e-3 for r in plain)  # the drift shows up as a difference of the sides
+    out, seg = ratios(2)
+    assert all(abs(r - 1) < 1e-12 for r in seg)
+    # A B B A: half-length segments, the i-th of each side on the same prompts
+    assert [s[:2] for s in seen[:4]] == [("base", 24), ("candidate", 24), ("candidate", 24), ("base", 24)]
+    assert seen[0][2] == seen[1][2] and seen[2][2] == seen[3][2] and seen[0][2] != seen[2][2]
+    rec = out.pairs[0].candidate
+    assert rec["segments"] == 2 and rec["num_requests"] == 2 and rec["total_output_tokens"] == 48
+    assert rec["host_steal_fraction"] == 0.01 and rec["ttft_ms_p50"] == 5.0  # worst steal; NaN left out
+    assert "pairs in 4 interleaved segments" in out.spec.launch_schedule
+    assert runner.segment_order(4) == [0, 1, 1, 0, 1, 0, 0, 1]
+    with pytest.raises(ABConfigError, match="pair_segments 0"):
+        parse_ab({"pair_segments": 0}, hardware="cpu")

@@ -87,13 +87,22 @@ class ABSpec:
     # (3.6%), and longer still for a slower deployment; pyperf calibrates its loops to a minimum time
     # for the same reason. None: the size ab.top gives
     top_min_steady_s: float | None = None
+    # measure each pair as 2k segments of 1/k of the probe's output length in Thue-Morse side order
+    # (k=2: A B B A; k=4: A B B A B A A B), each side's value the mean of its k segments. Why: on a
+    # host whose CPU speed wanders on a scale of seconds (the 2-core CI VM: consecutive pairs ~10 s apart
+    # correlate 0.22, the two sides of a pair 0.56; vLLM on one GPU follows its CPU time per token), a
+    # drift across the pair lands on the side measured second; with both sides' segments centred on the
+    # same moment a linear drift cancels and the sides are measured closer in time. An OU model fitted
+    # to those correlations cuts a pair's SD by ~40% at k=2 (docs/ab-gate.md). 1: one request stream a side
+    pair_segments: int = 1
 
     @property
     def launch_schedule(self) -> str:
         """The launch schedule in words, for reports (and whether decided probes are retired)."""
         return (describe_launches(self.blocks_per_launch, self.pin_cpus, self.parallel_launch)
                 + (", a probe stops once its metrics PASS" if self.retire_decided else "")
-                + (f", top probe sized to a {self.top_min_steady_s:g} s steady window" if self.top_min_steady_s else ""))
+                + (f", top probe sized to a {self.top_min_steady_s:g} s steady window" if self.top_min_steady_s else "")
+                + (f", pairs in {2 * self.pair_segments} interleaved segments" if self.pair_segments > 1 else ""))
 
     def repeats_for(self, probe: str) -> int:
         """Pairs per block of ``probe`` (a probe name, "single_stream" or "c128", or its role "top")."""
@@ -165,6 +174,9 @@ class ABSpec:
         m = self.top_min_steady_s
         if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m <= 60):
             problems.append(f"top_min_steady_s {m!r} (seconds in (0, 60], e.g. 3, or null to keep ab.top's size)")
+        k = self.pair_segments
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 8:
+            problems.append(f"pair_segments {k!r} (an integer in [1, 8]: 2 measures a pair as A B B A halves)")
         if self.accept_prompts < 2:
             problems.append(f"accept_prompts {self.accept_prompts} (>= 2)")
         if problems:

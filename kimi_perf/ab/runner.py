@@ -16,6 +16,11 @@ With ``ab.retire_decided`` a probe whose gated metrics have all PASSED at a deci
 measured any more (:func:`_retire`): on one GPU the C=128 repeat is most of a block's time, and the
 blocks that single-stream decode still needs then cost a fraction of the first ones.
 
+With ``ab.pair_segments`` = k a pair is 2k segments of 1/k the output length, the sides in
+Thue-Morse order (A B B A for k = 2; :func:`segment_order`), each side's record the mean of its
+segments (:func:`merge_segments`): on a host whose CPU speed wanders within seconds a drift across
+the pair no longer lands on the side measured second.
+
 With ``ab.pin_cpus`` each side's server and the client run on disjoint CPU sets
 (:mod:`kimi_perf.ab.pinning`), recorded with the launches.
 
@@ -51,8 +56,9 @@ from .decide import ABDecision, decide, log_ratio
 from .pinning import CPUPlan, plan_cpus
 from .variance import flat_pairs, noise_note
 
-__all__ = ["ABOutcome", "ABSideError", "PairRecord", "Probe", "Side", "launch_together", "measure_repeat", "run_ab",
-           "run_ab_prompts", "size_for_window", "stop_reason"]
+__all__ = ["ABOutcome", "ABSideError", "PairRecord", "Probe", "Side", "launch_together", "measure_repeat",
+           "merge_segments", "run_ab", "run_ab_prompts", "segment_order", "segment_workload", "size_for_window",
+           "stop_reason"]
 
 
 class Side(Protocol):
@@ -201,6 +207,45 @@ def measure_repeat(server: RunningServer, workload: Workload, prompts: Sequence[
     return m
 
 
+# counts add up over a side's segments; steal is a pair's worst (the redo rule asks for the worst)
+_SEGMENT_SUMS = frozenset({"num_requests", "num_completed", "num_failed", "total_output_tokens",
+                           "total_input_tokens", "duration_s"})
+
+
+def segment_order(k: int) -> list[int]:
+    """Which side (0 = the pair's first, 1 = its second) measures each of a pair's 2k segments: the
+    Thue-Morse sequence (0 1 1 0 1 0 0 1 ...). Every even prefix of it is balanced, and its segments of
+    either side share their centre of time, so a drift that is linear (or, at k = 4, quadratic) over
+    the pair cancels in the difference of the sides' means."""
+    return [bin(j).count("1") % 2 for j in range(2 * k)]
+
+
+def segment_workload(workload: Workload, k: int) -> Workload:
+    """One of a pair's k segments per side: the probe's requests with 1/k of its output length."""
+    return workload if k == 1 else replace(workload, output_len=max(2, math.ceil(workload.output_len / k)))
+
+
+def merge_segments(segments: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """A side's record of a pair from its segments: counts summed, steal the worst, every other
+    metric (rates, latencies, CPU per token, clocks) the mean of the segments, which is what makes a
+    drift cancel between the sides (:func:`segment_order`). NaNs (a metric a segment could not
+    measure) are left out of the mean; ``segments`` says how many were merged."""
+    if len(segments) == 1:
+        return dict(segments[0])
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for s in segments for k in s):
+        vals = [float(s[key]) for s in segments if key in s]
+        finite = [v for v in vals if math.isfinite(v)]
+        if key in _SEGMENT_SUMS:
+            out[key] = float(sum(vals))
+        elif key == "host_steal_fraction":
+            out[key] = max(finite) if finite else float("nan")
+        else:
+            out[key] = sum(finite) / len(finite) if finite else float("nan")
+    out["segments"] = float(len(segments))
+    return out
+
+
 def size_for_window(workload: Workload, windows: Mapping[str, float], min_steady_s: float) -> dict[str, Any]:
     """How many prompts ``workload`` needs for a steady window of ``min_steady_s`` seconds, given the
     windows one repeat of it had on each side (``steady_window_s``; NaN: C was never in flight).
@@ -335,17 +380,33 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
             sides[role].stop()
             running.pop(role)
 
-    def one(role: str, probe: Probe, prompts: Sequence[Sequence[int]]) -> dict[str, float]:
+    def one(role: str, probe: Probe, prompts: Sequence[Sequence[int]], workload: Workload | None = None
+            ) -> dict[str, float]:
         try:
             other = running.get("candidate" if role == "base" else "base")
             t = time.monotonic()
-            m = measure_repeat(running[role], work[probe.name], prompts, label=f"A/B {role} {probe.name}", peer=other)
+            m = measure_repeat(running[role], workload or work[probe.name], prompts, label=f"A/B {role} {probe.name}",
+                               peer=other)
             if clocks is not None:
                 m.update(clocks.window(t, time.monotonic()))
             return m
         except BenchFailure as e:
             raise _side_error(out, role, sides[role].label, f"failed during measurement: {e}",
                               f"requests failed: {e}") from None
+
+    def pair(first: str, second: str, probe: Probe, serial: int) -> dict[str, dict[str, float]]:
+        """One pair: a repeat per side with the same prompts, or with ab.pair_segments = k, 2k segments
+        of 1/k the length in Thue-Morse order, a side's i-th segment and the other's on the same prompts."""
+        k = spec.pair_segments
+        if k == 1:
+            prompts = prompts_for(work[probe.name], serial)
+            return {first: one(first, probe, prompts), second: one(second, probe, prompts)}
+        seg_w = segment_workload(work[probe.name], k)
+        segs: dict[str, list[dict[str, float]]] = {first: [], second: []}
+        for who in segment_order(k):
+            role = (first, second)[who]
+            segs[role].append(one(role, probe, prompts_for(seg_w, 1_000_000 + serial * 16 + len(segs[role])), seg_w))
+        return {role: merge_segments(ms) for role, ms in segs.items()}
 
     client_affinity = _pin_client(plan)
     # the GPU's SM clock and power during each repeat (none on a CPU box): a side that read slower
@@ -365,10 +426,9 @@ def run_ab(base: Side, candidate: Side, probes: Sequence[Probe], spec: ABSpec,
             for i in range(max(spec.repeats_for(p.name) for p in probes)):
                 first, second = order if i % 2 == 0 else order[::-1]
                 for probe in (p for p in active() if i < spec.repeats_for(p.name)):
-                    prompts = prompts_for(work[probe.name], pair_serial)
                     redone = 0
                     while True:
-                        r = {first: one(first, probe, prompts), second: one(second, probe, prompts)}
+                        r = pair(first, second, probe, pair_serial)
                         steal = max((v for v in (r["base"]["host_steal_fraction"], r["candidate"]["host_steal_fraction"])
                                      if math.isfinite(v)), default=0.0)
                         if steal <= spec.max_steal or redo_left <= 0:
