@@ -247,6 +247,21 @@ class FakeSide:
             self.proc = None
 
 
+class StubSide:
+    """A side whose server is never reached: for tests that replace measure_repeat."""
+
+    def __init__(self, role):
+        self.role, self.label = role, f"stub {role}"
+
+    def start(self, cpus=()):
+        from kimi_perf.bench import RunningServer
+
+        return RunningServer(f"stub-{self.role}", "stub", "http://127.0.0.1:9", "m", None, None, version="s")
+
+    def stop(self):
+        pass
+
+
 def _probes():
     from kimi_perf.ab.runner import Probe
     from kimi_perf.load.workload import Workload
@@ -616,19 +631,8 @@ def test_an_ab_sizes_its_top_probe_once_and_every_pair_runs_that_size(monkeypatc
     run the size it gave, the result keeps the configured workload (its key), and run.json and the
     report say what was run."""
     from kimi_perf.ab import runner
-    from kimi_perf.bench import RunningServer
     from kimi_perf.load.workload import Workload
     from kimi_perf.report import ab_detail_lines
-
-    class StubSide:
-        def __init__(self, role):
-            self.role, self.label = role, f"stub {role}"
-
-        def start(self, cpus=()):
-            return RunningServer(f"stub-{self.role}", "stub", "http://127.0.0.1:9", "m", None, None, version="s")
-
-        def stop(self):
-            pass
 
     seen: list = []
 
@@ -668,18 +672,7 @@ def test_pair_segments_cancel_a_drift_across_the_pair_that_one_stream_a_side_tur
     follows the drift. Two segments a side in A B B A order with each side the mean of its segments:
     the sides agree exactly, whatever the drift, and the records say what was run."""
     from kimi_perf.ab import runner
-    from kimi_perf.bench import RunningServer
     from kimi_perf.load.workload import Workload
-
-    class StubSide:
-        def __init__(self, role):
-            self.role, self.label = role, f"stub {role}"
-
-        def start(self, cpus=()):
-            return RunningServer(f"stub-{self.role}", "stub", "http://127.0.0.1:9", "m", None, None, version="s")
-
-        def stop(self):
-            pass
 
     clock = [0.0]
     seen: list = []
