@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # the host's core topology is machine.py's (run.json records it too); pinning only splits it
-from ..machine import _sysfs_siblings, core_groups
+from ..machine import core_groups
 
 __all__ = ["CPUPlan", "core_groups", "plan_cpus"]
 
@@ -66,9 +66,10 @@ def _ranges(cpus: Sequence[int]) -> str:
 
 
 def plan_cpus(available: Sequence[int], *, client: int = 2,
-              siblings: Callable[[int], set[int]] = _sysfs_siblings) -> CPUPlan:
-    """Split ``available`` (this process's affinity) into client, base and candidate sets."""
-    groups = core_groups(available, siblings)
+              siblings: Callable[[int], set[int]] | None = None) -> CPUPlan:
+    """Split ``available`` (this process's affinity) into client, base and candidate sets
+    (``siblings``: a CPU's SMT siblings; default the kernel's sysfs topology)."""
+    groups = core_groups(available, siblings) if siblings is not None else core_groups(available)
     take: list[int] = []
     i = 0
     while i < len(groups) and len(take) < client:
