@@ -524,7 +524,7 @@ class KeptSide:
 
 def _rounds(ns: Any, plants: list[float], entry: dict[str, Any], sides: Any, probes: list[Probe], spec: ABSpec,
             prompts: Any, t_start: float, save: Any) -> None:
-    failures = 0
+    failures, ran = 0, 0
     for r in range(ns.trials):
         order = plants[r % len(plants):] + plants[: r % len(plants)]
         for plant in order:
@@ -549,11 +549,15 @@ def _rounds(ns: Any, plants: list[float], entry: dict[str, Any], sides: Any, pro
                 if failures >= 2:
                     raise SystemExit(f"power: two trials in a row failed; stopping (last: {e})") from None
             entry["trials"].append({**trial_record(out, plant, r), "commit": entry.get("commit")})
-            t = entry["trials"][-1]
+            t, ran = entry["trials"][-1], ran + 1
             # saved before it is announced: a driver that stops the study on this line (a lease ending)
             # must not kill it while the summary's replay is still being written (one trial was lost so)
             save()
             log(f"power: planted {plant:.0%} -> {t['verdict']} in {t['blocks']} blocks, {t['wall_s']:.0f}s (saved)")
+    # said either way: a resumed study whose machine entry is already complete otherwise ends in
+    # silence after its launch-free start (an H100 lease once did, and looked like a failure)
+    log(f"power: every condition has its {ns.trials} trials ({ran} run now); "
+        + ("done" if ran else "nothing to run here: raise --trials to add more, or give this GPU other work"))
 
 
 if __name__ == "__main__":

@@ -244,3 +244,20 @@ def test_a_stop_file_ends_the_study_between_trials_and_each_trial_is_saved_befor
     assert [t["plant"] for t in entry["trials"]] == [0.0]
     assert events[:3] == ["trial", "save", "announce"]
     assert "exists; stopping" in events[-1]
+
+
+def test_a_resumed_study_with_every_trial_done_says_so_and_launches_nothing(monkeypatch):
+    """A lease that lands on a GPU kind whose entry is complete must say why it ends at once."""
+    import argparse
+
+    import kimi_perf.power as power
+
+    said: list[str] = []
+    monkeypatch.setattr(power, "run_ab", lambda *a: pytest.fail("a complete study ran a trial"))
+    monkeypatch.setattr(power, "log", said.append)
+    entry = {"trials": [{"plant": p, "verdict": "PASS"} for p in (0.0, 0.05) for _ in range(2)]}
+    ns = argparse.Namespace(trials=2, max_wall_s=None, stop_file=None)
+    power._rounds(ns, [0.0, 0.05], entry, lambda plant: pytest.fail("sides were made"), [], SPEC, None, 0.0,
+                  lambda: pytest.fail("saved"))
+    assert said == ["power: every condition has its 2 trials (0 run now); nothing to run here: raise --trials "
+                    "to add more, or give this GPU other work"]
