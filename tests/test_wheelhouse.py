@@ -281,6 +281,22 @@ def test_pins_go_to_pip_as_constraints_and_missing_requirements_resolve_again(mo
     assert not plan.missing and plan.entry("tomli").status is Status.CARRY
 
 
+def test_sizing_replans_with_the_same_rules_and_keeps_the_rounds_notes(monkeypatch, tmp_path):
+    """The plan is made twice (after the rounds, after sizing): the second must carry the sizes and
+    keep what the first noted, under the same roots and rules."""
+    rounds = iter([report(item("engine", "1.0", ("tomli; python_version >= '3.12'",), requested=True)),
+                   report(item("engine", "1.0", ("tomli; python_version >= '3.12'",), requested=True),
+                          item("tomli", "2.0", requested=True))])
+    monkeypatch.setattr(wh.resolve, "pip_report", lambda *a, **kw: next(rounds))
+    monkeypatch.setattr(wh.resolve, "fetch_sizes", lambda packages: {p.url: 1000 * (i + 1)
+                                                                      for i, p in enumerate(packages)})
+    plan = wh.resolve_and_plan(["engine==1.0"], TARGET, workdir=tmp_path, resolver_python=sys.executable,
+                               sizes=True, say=lambda m: None)
+    assert {plan.entry(k).size for k in ("engine", "tomli")} == {1000, 2000}
+    assert any("added as roots for the target's markers: tomli" in n for n in plan.notes)
+    assert plan.entry("tomli").status is Status.CARRY
+
+
 def test_engine_defaults():
     found, notes = wh.defaults_for(["sglang==0.5.17", "vllm==0.26.0", "sglang==0.5.18", "numpy"])
     assert [(d.engine, d.version) for d in found] == [("sglang", "0.5.17"), ("vllm", "0.26.0")]

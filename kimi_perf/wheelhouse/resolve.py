@@ -223,6 +223,12 @@ def resolve_and_plan(
             fetched[ov.key] = next(p for p in got if p.key == ov.key)
         return fetched[ov.key]
 
+    def planned(packages: Sequence[ResolvedPackage], overridden: Mapping[str, tuple[str, Override]],
+                notes: Sequence[str]) -> Plan:
+        """The plan of these packages under this call's target and rules (after a round, after sizing)."""
+        return make_plan(packages, target, roots=roots if specs else (), installed=installed,
+                         exclusions=exclusions, overridden=overridden, trusted=trusted, notes=notes)
+
     for rnd in range(1, max_rounds + 1):
         if report is not None:
             rep: Mapping[str, Any] = report
@@ -241,16 +247,7 @@ def resolve_and_plan(
             )
             say(f"  {len(rep.get('install', []))} packages in {time.monotonic() - t0:.0f} s")
         packages, overridden, ov_notes = apply_overrides(parse_report(rep), overrides, fetch)
-        plan = make_plan(
-            packages,
-            target,
-            roots=roots if specs else (),
-            installed=installed,
-            exclusions=exclusions,
-            overridden=overridden,
-            trusted=trusted,
-            notes=note_list + ov_notes,
-        )
+        plan = planned(packages, overridden, note_list + ov_notes)
         if not plan.missing or report is not None or rnd == max_rounds:
             break
         extra = list(dict.fromkeys(line.split(" (needed by", 1)[0] for line in plan.missing))
@@ -261,14 +258,5 @@ def resolve_and_plan(
         say(f"sizing {len(packages)} wheels ...")
         got = fetch_sizes(packages)
         packages = tuple(replace(p, size=got.get(p.url)) for p in packages)
-        plan = make_plan(
-            packages,
-            target,
-            roots=roots if specs else (),
-            installed=installed,
-            exclusions=exclusions,
-            overridden=overridden,
-            trusted=trusted,
-            notes=plan.notes,
-        )
+        plan = planned(packages, overridden, plan.notes)
     return plan
