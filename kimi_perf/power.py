@@ -238,6 +238,24 @@ def _commits(e: dict[str, Any]) -> str:
     return "commits " + ", ".join(f"{c} ({n} trials)" for c, n in counts.items())
 
 
+_GENERATED = "Written by `python -m kimi_perf.power`;"
+
+
+def with_preface(previous: str | None, generated: str) -> str:
+    """``generated`` under the hand-written preface of ``previous``, if it has one.
+
+    A study's Markdown file may open with prose a person wrote (what was asked, the commands, a
+    table drawn from several entries) above the generated part, which starts at its fixed sentence;
+    a resumed or replayed study rewrites the file and once erased such a preface. The generated
+    title is dropped when a preface stands in its place."""
+    if not previous or _GENERATED not in previous:
+        return generated
+    preface = previous[:previous.index(_GENERATED)]
+    if preface.strip() == "# A/B gate power (measured)":
+        return generated
+    return preface + generated[generated.index(_GENERATED):]
+
+
 def markdown(doc: dict[str, Any]) -> str:
     lines = ["# A/B gate power (measured)", "",
              "Written by `python -m kimi_perf.power`; rates are FAIL verdicts per trial. A/A (plant 0): a FAIL "
@@ -479,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         from .baselines import atomic_write_json
 
         atomic_write_json(out_path, current)
-        out_path.with_suffix(".md").write_text(markdown(current))
+        md = out_path.with_suffix(".md")
+        md.write_text(with_preface(md.read_text() if md.is_file() else None, markdown(current)))
 
     kept: dict[str, KeptSide] = {}
 

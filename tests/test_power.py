@@ -261,3 +261,18 @@ def test_a_resumed_study_with_every_trial_done_says_so_and_launches_nothing(monk
                   lambda: pytest.fail("saved"))
     assert said == ["power: every condition has its 2 trials (0 run now); nothing to run here: raise --trials "
                     "to add more, or give this GPU other work"]
+
+
+def test_a_hand_written_preface_survives_the_study_rewriting_its_markdown():
+    """benchmarks/pair-segments-study.md opens with the question, the commands and a table drawn from
+    two entries; resuming the study rewrote the file from its title down and erased them once."""
+    from kimi_perf.power import with_preface
+
+    doc = {"machines": {}}
+    generated = markdown(doc)
+    assert with_preface(None, generated) == generated
+    assert with_preface(generated, generated) == generated  # a plain generated file stays plain
+    prose = "# Pair segments\n\nWhat was asked, and how.\n\n"
+    kept = with_preface(prose + generated[generated.index("Written by"):], generated)
+    assert kept.startswith(prose) and kept.count("Written by `python -m kimi_perf.power`") == 1
+    assert "# A/B gate power (measured)" not in kept
