@@ -238,6 +238,7 @@ def _commits(e: dict[str, Any]) -> str:
     return "commits " + ", ".join(f"{c} ({n} trials)" for c, n in counts.items())
 
 
+_TITLE = "# A/B gate power (measured)"
 _GENERATED = "Written by `python -m kimi_perf.power`;"
 
 
@@ -251,14 +252,14 @@ def with_preface(previous: str | None, generated: str) -> str:
     if not previous or _GENERATED not in previous:
         return generated
     preface = previous[:previous.index(_GENERATED)]
-    if preface.strip() == "# A/B gate power (measured)":
+    if preface.strip() == _TITLE:
         return generated
     return preface + generated[generated.index(_GENERATED):]
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    lines = ["# A/B gate power (measured)", "",
-             "Written by `python -m kimi_perf.power`; rates are FAIL verdicts per trial. A/A (plant 0): a FAIL "
+    lines = [_TITLE, "",
+             _GENERATED + " rates are FAIL verdicts per trial. A/A (plant 0): a FAIL "
              "is a false fail. Planted X: the candidate's decode steps are X slower; a FAIL is a detection. "
              "`direct` = real trials (exact 95% interval), `replay` = the same rule on recorded blocks "
              "resampled with replacement.", ""]
