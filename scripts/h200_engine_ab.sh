@@ -40,7 +40,8 @@ PY=${PY:-.venv/bin/python}
 # the embedded-cpu recipe's drafter, shipped with kimi-perf: the comparison is of engines serving one
 # drafter (profiles/h200-engines.json sources.drafter)
 DRAFTER=kimi_perf/eagle3/shipped_drafters/a114c67ab3aea404-9b84de8d53f8-03d0b33f6cff-bca767665699/drafter
-# 28 MiB parts: the working tree travels with every call and is ~30 MB of the 64 MiB
+# 28 MiB parts: the working tree travels with every call (~30 MB when the parts were cut, ~34 MiB now) within
+# 64 MiB; `stage` says which carry list still fits (carry_advice, scripts/lease_common.sh)
 PART=28M
 
 . "$(dirname "$0")/lease_common.sh"   # wait_s, carry_advice
