@@ -88,13 +88,54 @@ def test_a_deadline_stops_new_requests_and_the_next_call_resumes(tok, scripted_s
     items = [PromptItem(id=f"c{i}-t1", conv_id=f"c{i}", source="sharegpt", split="train", turn=1,
                         turns=(f"SLOW: item {i}.",)) for i in range(6)]
     out = tmp_path / "samples.jsonl"
-    first = generate_samples(url, tok, items, out, DataConfig(concurrency=2), deadline=time.monotonic() + 1.0)
+    stats: dict = {}
+    first = generate_samples(url, tok, items, out, DataConfig(concurrency=2), deadline=time.monotonic() + 1.0,
+                             stats=stats)
     # the deadline came before every item started: some were made, not all
     assert 1 <= len(first) < 6
+    assert stats == {"made": len(first), "left": 6 - len(first), "skipped": 0}
     # and every request that did start was answered and stored (none lost in flight)
     assert len(log) == len(first)
     second = generate_samples(url, tok, items, out, DataConfig(concurrency=2))
     assert set(second) == {i.id for i in items} and len(log) == 6
+
+
+def test_too_long_prompts_are_skipped_before_any_server_starts(tok, scripted_server, tmp_path, monkeypatch):
+    """Items whose prompt passes max_prompt_tokens, and the follow-ups of such a turn, are set aside
+    before a request: counted as skipped, not as left for the next call, and a call with nothing else
+    to make starts no server (the callable base_url is never called)."""
+    from kimi_perf.eagle3.data import DataConfig, PromptItem, generate_samples
+
+    url, log = scripted_server
+    long_q = "Explain this. " * 40
+    items = [
+        PromptItem(id="ok-t1", conv_id="ok", source="sharegpt", split="train", turn=1, turns=("Say hi.",)),
+        PromptItem(id="ok-t2", conv_id="ok", source="sharegpt", split="train", turn=2, turns=("Say hi.", "Again.")),
+        PromptItem(id="long-t1", conv_id="long", source="sharegpt", split="train", turn=1, turns=(long_q,)),
+        PromptItem(id="long-t2", conv_id="long", source="sharegpt", split="train", turn=2, turns=(long_q, "More.")),
+    ]
+    cfg = DataConfig(concurrency=2, max_prompt_tokens=100)
+    out = tmp_path / "samples.jsonl"
+    lines: list[str] = []
+    monkeypatch.setattr("kimi_perf.eagle3.data.log", lines.append)
+    launched: list[int] = []
+
+    def launch() -> str:
+        launched.append(1)
+        return url
+
+    stats: dict = {}
+    got = generate_samples(launch, tok, items, out, cfg, stats=stats)
+    assert set(got) == {"ok-t1", "ok-t2"} and len(log) == 2 and launched == [1]
+    assert stats == {"made": 2, "skipped": 2, "left": 0}
+    assert any("2 items skipped: prompt over 100 tokens" in x for x in lines), lines
+    assert not any("deadline" in x for x in lines), lines
+    # the next call has only the too-long items missing: it starts nothing
+    stats = {}
+    again = generate_samples(launch, tok, items, out, cfg, stats=stats)
+    assert set(again) == {"ok-t1", "ok-t2"} and launched == [1] and len(log) == 2
+    assert stats == {"made": 0, "skipped": 2, "left": 0}
+    assert "nothing left to generate" in lines[-1]
 
 
 def _fake_sdist(tmp_path, rows):

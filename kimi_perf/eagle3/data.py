@@ -275,6 +275,39 @@ def _prompt_ids(tokenizer: Any, item: PromptItem, replies: list[str], max_prompt
     return None if len(ids) > max_prompt_tokens else ids
 
 
+def _known_prompts(tokenizer: Any, todo: Sequence[PromptItem], done: dict[str, Sample],
+                   decode: Callable[[list[int]], str], max_prompt_tokens: int
+                   ) -> tuple[dict[str, list[int]], set[str]]:
+    """Prompt ids of the items whose earlier turns are all stored (a first turn has none), and the ids
+    of those that will be skipped whatever the engine answers: their prompt passes
+    ``max_prompt_tokens``, or an earlier turn of theirs is itself skipped or missing from the recipe.
+    Items waiting on a turn still to be generated are in neither. The ids are reused by the request,
+    so tokenizing ahead costs nothing twice."""
+    pending = {i.id for i in todo}
+    known: dict[str, list[int]] = {}
+    skipped: set[str] = set()
+    for item in sorted(todo, key=lambda i: i.turn):
+        replies: list[str] = []
+        waits = False
+        for t in range(1, item.turn):
+            key = f"{item.conv_id}-t{t}"
+            if key in skipped or (key not in pending and key not in done):
+                skipped.add(item.id)
+                break
+            if key in pending:
+                waits = True
+                break
+            replies.append(decode(done[key].response_ids))
+        if item.id in skipped or waits:
+            continue
+        ids = _prompt_ids(tokenizer, item, replies, max_prompt_tokens)
+        if ids is None:
+            skipped.add(item.id)
+        else:
+            known[item.id] = ids
+    return known, skipped
+
+
 def sampling_params(cfg: DataConfig, variant: int) -> dict[str, Any]:
     """SGLang-style sampling parameters of one item: greedy for variant 0, else the recipe's temperature
     for that variant (``sample_temperatures``, else ``sample_temperature``) with the variant number as
@@ -311,6 +344,7 @@ def generate_samples(
     decode: Callable[[list[int]], str] | None = None,
     generate: Generate | None = None,
     deadline: float | None = None,
+    stats: dict[str, int] | None = None,
 ) -> dict[str, Sample]:
     """Generate the missing samples through ``base_url``'s SGLang-style ``/generate``; return all.
     ``base_url`` may be a callable, called only when something is missing (it may start a server).
@@ -320,12 +354,30 @@ def generate_samples(
 
     ``deadline`` (a ``time.monotonic()`` value): no request starts after it; those in flight finish and
     are stored, the rest is left for the next call (a device call has ten minutes; samples are appended
-    as they come, so the next call resumes)."""
+    as they come, so the next call resumes).
+
+    Items whose prompt would pass ``cfg.max_prompt_tokens`` are skipped, and so are the follow-ups of
+    a skipped turn. Those known before any request (a first turn, or a follow-up whose earlier turns
+    are all stored) are set aside first, so a call with nothing else to make starts no server: on a
+    ShareGPT recipe they were 24% of the items, and a lease once launched SGLang for them and reported
+    them as left for the next call. ``stats`` (when given) receives ``made``, ``skipped`` and ``left``
+    (not started before the deadline)."""
     done = read_samples(out_path)
     decode = decode or (lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     todo = [i for i in items if i.id not in done]
+    st = stats if stats is not None else {}
+    st.update(made=0, skipped=0, left=0)
     if not todo:
         log(f"drafter data: all {len(items)} samples present in {out_path}")
+        return {i.id: done[i.id] for i in items if i.id in done}
+    known_ids, skipped = _known_prompts(tokenizer, todo, done, decode, cfg.max_prompt_tokens)
+    if skipped:
+        todo = [i for i in todo if i.id not in skipped]
+        st["skipped"] = len(skipped)
+        log(f"drafter data: {len(skipped)} items skipped: prompt over {cfg.max_prompt_tokens} tokens, "
+            f"or a follow-up of such a turn")
+    if not todo:
+        log(f"drafter data: nothing left to generate ({len(done)} stored in {out_path})")
         return {i.id: done[i.id] for i in items if i.id in done}
     if generate is None and callable(base_url):
         base_url = base_url()
@@ -365,13 +417,20 @@ def generate_samples(
                                 await finished[key].wait()
                             prev = done.get(key)
                             if prev is None:
-                                return  # its turn 1 was skipped (too long): skip the follow-up too
+                                # an earlier turn was skipped (too long), or left by the deadline
+                                if deadline is not None and time.monotonic() >= deadline:
+                                    st["left"] += 1
+                                else:
+                                    st["skipped"] += 1
+                                return
                             replies.append(decode(prev.response_ids))
-                        ids = _prompt_ids(tokenizer, item, replies, cfg.max_prompt_tokens)
+                        ids = known_ids.get(item.id) or _prompt_ids(tokenizer, item, replies, cfg.max_prompt_tokens)
                         if ids is None:
+                            st["skipped"] += 1
                             return
                         async with sem:
                             if deadline is not None and time.monotonic() >= deadline:
+                                st["left"] += 1
                                 return  # left for the next call
                             out, fr = await gen(ids, sampling_params(cfg, item.variant))
                         s = Sample(id=item.id, source=item.source, split=item.split, prompt_ids=ids,
@@ -388,9 +447,13 @@ def generate_samples(
 
                 # earlier turns first, so they queue for the semaphore ahead of the follow-ups they unblock
                 await asyncio.gather(*(one(i) for i in sorted(todo, key=lambda i: i.turn)))
-                if deadline is not None and made < len(todo):
+                st["made"] = made
+                if st["left"]:
                     log(f"drafter data: deadline reached after {time.monotonic() - t0:.0f}s: {made} generated, "
-                        f"{len(todo) - made} left for the next call (or skipped as too long)")
+                        f"{st['left']} left for the next call, {st['skipped']} skipped as too long")
+                else:
+                    log(f"drafter data: {made} generated in {time.monotonic() - t0:.0f}s, "
+                        f"{st['skipped']} skipped as too long")
         finally:
             app.close()
 

@@ -71,6 +71,7 @@ def run(profile: str, *, engine_python: str | None = None, max_s: float | None =
     todo = [i for i in items if i.id not in now]
     log(f"generate: {len(items)} samples in the recipe, {len(now)} present in {samples_path}, "
         f"{len(todo)} to make" + (f" within {max_s:.0f}s" if max_s else ""))
+    stats: dict[str, int] = {}
     if todo:
         if raw["kind"] == "reference":
             over["load_format"] = "auto"
@@ -79,17 +80,26 @@ def run(profile: str, *, engine_python: str | None = None, max_s: float | None =
                                       python=engine_python, overrides=over, source=f"profile {profile}")
         except EngineConfigError as e:
             raise SystemExit(str(e)) from None
-        log(f"generate: launching {gen} ({raw['kind']}); its log goes to {log_dir}")
-        proc = ServerProcess(cfg.launch_spec(log_dir)).start()
+        procs: list[ServerProcess] = []
+
+        def launch() -> str:
+            # called by generate_samples only when some item can still be made: a call whose missing
+            # items are all too long starts no server
+            log(f"generate: launching {gen} ({raw['kind']}); its log goes to {log_dir}")
+            procs.append(ServerProcess(cfg.launch_spec(log_dir)).start())
+            return procs[0].base_url
+
         try:
             tok = AutoTokenizer.from_pretrained(str(target))
             # the launch counts against the deadline: what is left of it goes to generation
-            now = generate_samples(proc.base_url, tok, items, samples_path, recipe.data, deadline=deadline)
+            now = generate_samples(launch, tok, items, samples_path, recipe.data, deadline=deadline, stats=stats)
         finally:
-            proc.stop()
+            for proc in procs:
+                proc.stop()
     mine = [now[i.id] for i in todo if i.id in now]
     summary = {"profile": profile, "generator": gen, "samples_path": str(samples_path), "wanted": len(items),
-               "present": len(now), "made": len(mine),
+               "present": len(now), "made": len(mine), "skipped_too_long": stats.get("skipped", 0),
+               "left_for_next_call": stats.get("left", 0),
                "made_response_tokens": sum(len(s.response_ids) for s in mine),
                "seconds": round(time.monotonic() - t0, 1)}
     if pack_dir is not None and samples_path.is_file():
