@@ -281,3 +281,66 @@ def test_held_out_scoring_per_epoch_leaves_training_unchanged(tiny_model, tmp_pa
             assert all_acc <= acc or acc != acc  # NaN when no position of that step was draftable
     for k, v in m_plain.state_dict().items():
         torch.testing.assert_close(m_scored.state_dict()[k], v, rtol=0, atol=0, msg=k)
+
+
+def test_online_features_train_the_drafter_the_stored_ones_do(tiny_model, tmp_path):
+    """FeatureSpec.online computes each training batch's rows from the target instead of reading
+    stored shards (a 47K-sample recipe's shards would be 83 GB). It changes how, not what: the same
+    steps over the same samples, the same held-out positions scored, weights equal to the stored
+    run's up to the kernels' rounding for another batch shape, and the same spec digest."""
+    from dataclasses import replace
+
+    from kimi_perf.eagle3.features import FeatureSpec, OnlineFeatures, extract_features
+    from kimi_perf.eagle3.pipeline import load_target_tensors
+    from kimi_perf.eagle3.train import TrainConfig, train_drafter
+    from kimi_perf.eagle3.vocab import build_vocab_maps, count_tokens
+
+    samples = _samples(16)
+    spec = FeatureSpec(shard_tokens=4096, dtype="float32")
+    assert replace(spec, online=True).digest() == spec.digest()
+    stored = extract_features(samples, tiny_model, tmp_path / "feat", spec, model_fingerprint="tiny")
+    online = OnlineFeatures(samples, tiny_model, replace(spec, online=True))
+    assert online.layers == stored.layers and online.num_tokens == stored.num_tokens
+    # a view holds only its ids: the held-out scoring must not see training samples
+    assert set(online.loader({samples[0].id}).lengths) == {samples[0].id}
+    train_ids, held_ids = [s.id for s in samples[:12]], [s.id for s in samples[12:]]
+    cfg, embed, lm = load_target_tensors(tiny_model)
+    counts = count_tokens(((s.ids, s.loss_mask) for s in samples[:12]), cfg["vocab_size"])
+    d2t, t2d = build_vocab_maps(counts, 256)
+    tc = TrainConfig(draft_vocab_size=256, ttt_steps=2, epochs=2, batch_tokens=128, device="cpu", threads=1,
+                     warmup_steps=2, log_every=100, checkpoint_every=100)
+    runs = {name: train_drafter(src, train_ids, cfg, embed, lm, torch.from_numpy(d2t), torch.from_numpy(t2d),
+                                tmp_path / name, tc, heldout_ids=held_ids)
+            for name, src in (("stored", stored), ("online", online))}
+    (m_s, r_s), (m_o, r_o) = runs["stored"], runs["online"]
+    assert (r_o.steps, r_o.tokens) == (r_s.steps, r_s.tokens) and r_o.steps > 4
+    assert [p["positions"] for p in r_o.heldout_by_epoch] == [p["positions"] for p in r_s.heldout_by_epoch]
+    assert r_o.heldout_by_epoch[0]["positions"] == sum(len(s.response_ids) for s in samples[12:])
+    for k, v in m_s.state_dict().items():
+        torch.testing.assert_close(m_o.state_dict()[k], v, atol=1e-4, rtol=1e-3, msg=k)
+
+
+def test_online_features_need_an_in_process_target(tiny_model):
+    from kimi_perf.eagle3.features import FeatureSpec, OnlineFeatures
+
+    with pytest.raises(ValueError, match="in-process backend"):
+        OnlineFeatures(_samples(2), tiny_model, FeatureSpec(backend="http-aux", online=True, server_url="http://x"))
+
+
+def test_an_online_recipe_stores_only_the_held_out_rows(tiny_model, tmp_path):
+    """pipeline.feature_source: a stored recipe extracts every sample; an online one stores only the
+    held-out samples' rows (with the manifest the alignment tests read) and trains from the target."""
+    from dataclasses import replace
+
+    from kimi_perf.eagle3.features import FeatureSpec, FeatureStore, OnlineFeatures
+    from kimi_perf.eagle3.pipeline import DrafterRecipe, feature_source
+
+    samples = _samples(6)
+    held = samples[4:]
+    recipe = DrafterRecipe(features=FeatureSpec(shard_tokens=4096, dtype="float32"))
+    src = feature_source(recipe, samples, held, tiny_model, tmp_path / "stored", "tiny")
+    assert isinstance(src, FeatureStore) and sorted(src.sample_ids) == sorted(s.id for s in samples)
+    online = replace(recipe, features=replace(recipe.features, online=True))
+    src = feature_source(online, samples, held, tiny_model, tmp_path / "online", "tiny")
+    assert isinstance(src, OnlineFeatures) and sorted(src.sample_ids) == sorted(s.id for s in samples)
+    assert sorted(FeatureStore(tmp_path / "online").sample_ids) == sorted(s.id for s in held)

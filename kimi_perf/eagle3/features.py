@@ -35,12 +35,13 @@ atomically; a restart skips the samples already in listed shards.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -49,7 +50,7 @@ from ..progress import log
 from .data import Sample
 
 FORMAT = "kimi-perf-eagle3-features/1"
-__all__ = ["FeaturePath", "FeatureSpec", "FeatureStore", "extract_features"]
+__all__ = ["FeatureLoader", "FeaturePath", "FeatureSpec", "FeatureStore", "HeldFeatures", "OnlineFeatures", "extract_features", "truncate"]
 
 
 @dataclass(frozen=True)
@@ -67,12 +68,18 @@ class FeatureSpec:
     # features agree to kernel rounding, so it is left out of the digest like the device. One sample
     # per forward kept a GPU at 9.4-19.7K tok/s on a 135M target, launch-bound
     extract_batch_tokens: int = 0
+    # hf/reference backends: compute each training batch's features with the target during training
+    # instead of storing them (OnlineFeatures). How, not what: left out of the digest. Stored features
+    # cost ~4.6 KB a token on a 135M target (three aux layers and the final hidden, bf16): 83 GB for a
+    # 47K-sample recipe's 18M tokens, past a lent GPU's 64 GB disk; the target's forward costs less
+    # than the drafter's step it feeds
+    online: bool = False
 
     def digest(self) -> str:
         import hashlib
 
         d = asdict(self)
-        for k in ("server_url", "device", "server_model", "extract_batch_tokens"):
+        for k in ("server_url", "device", "server_model", "extract_batch_tokens", "online"):
             d.pop(k)
         if d["transform"] == "none":
             # added after drafters were shipped and cached: a spec without a transform keeps the digest
@@ -323,6 +330,10 @@ class FeatureStore:
     def num_tokens(self) -> int:
         return sum(sh["num_tokens"] for sh in self.manifest["shards"])
 
+    def loader(self, ids: set[str]) -> HeldFeatures:
+        """The samples ``ids`` for training, read into host memory."""
+        return HeldFeatures(self.samples(ids))
+
     def samples(self, ids: set[str] | None = None) -> Iterator[FeatureSample]:
         from safetensors.torch import load_file
 
@@ -337,6 +348,84 @@ class FeatureStore:
                 a, b = off[i], off[i + 1]
                 yield FeatureSample(id=sid, input_ids=t["input_ids"][a:b].long(), loss_mask=t["loss_mask"][a:b].bool(),
                                     aux=t["aux"][a:b], final=t["final"][a:b], target_argmax=t["target_argmax"][a:b].long())
+
+
+class FeatureLoader(Protocol):
+    """What the trainer asks of a feature source for one set of samples: their lengths, and the
+    features of a batch of them cut to ``max_len`` positions."""
+
+    @property
+    def lengths(self) -> dict[str, int]: ...
+
+    def batch(self, ids: Sequence[str], max_len: int) -> list[FeatureSample]: ...
+
+
+class HeldFeatures:
+    """Stored features of one training run's samples, read once and held in host memory: what the
+    trainer asks of a feature source (``lengths``, ``batch``)."""
+
+    def __init__(self, samples: Iterator[FeatureSample]) -> None:
+        self._s = {s.id: s for s in samples}
+        self.lengths = {i: int(s.input_ids.shape[0]) for i, s in self._s.items()}
+
+    def batch(self, ids: Sequence[str], max_len: int) -> list[FeatureSample]:
+        return [truncate(self._s[i], max_len) for i in ids]
+
+
+def truncate(s: FeatureSample, m: int) -> FeatureSample:
+    """The first ``m`` positions of ``s`` (causal: they do not depend on what follows)."""
+    if s.input_ids.shape[0] <= m:
+        return s
+    return FeatureSample(s.id, s.input_ids[:m], s.loss_mask[:m], s.aux[:m], s.final[:m], s.target_argmax[:m])
+
+
+class OnlineFeatures:
+    """Training features computed from the target for each batch as the trainer asks for it, on the
+    recipe's device, and never stored (SpecForge's "online" mode).
+
+    Why: a stored feature set grows with the data (``FeatureSpec.online``: 83 GB for 47K samples of a
+    135M target), while one batch's forward of the target is cheap next to the drafter's TTT step on
+    it. The rows are the path's (:class:`FeaturePath`), so they equal what :func:`extract_features`
+    would store, up to the kernels' rounding for another batch shape. Only the hf and reference
+    backends (in-process targets) can run this way. Samples longer than ``max_len`` are left out, as
+    extraction leaves them out."""
+
+    def __init__(self, samples: Sequence[Sample], model_dir: Path, spec: FeatureSpec, *, max_len: int = 2048) -> None:
+        if spec.backend not in ("hf", "reference"):
+            raise ValueError(f"online features need an in-process backend (hf or reference), not {spec.backend!r}")
+        self.path = FeaturePath(spec, model_dir, max_len=max_len)
+        self._s = {s.id: s for s in samples if len(s.ids) <= max_len}
+        self.layers = self.path.layers
+        self.manifest = {"backend": spec.backend, "backend_version": self.path.version, "layers": list(self.layers),
+                         "mode": "online", "dtype": spec.dtype}
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return list(self._s)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.ids) for s in self._s.values())
+
+    def loader(self, ids: set[str]) -> OnlineFeatures:
+        """A view of the samples ``ids`` sharing this target: nothing is computed ahead."""
+        view = copy.copy(self)
+        view._s = {i: s for i, s in self._s.items() if i in ids}
+        return view
+
+    @property
+    def lengths(self) -> dict[str, int]:
+        return {i: len(s.ids) for i, s in self._s.items()}
+
+    def batch(self, ids: Sequence[str], max_len: int) -> list[FeatureSample]:
+        seqs = [list(self._s[i].ids)[:max_len] for i in ids]
+        out = []
+        for i, seq, (aux, final, am) in zip(ids, seqs, self.path.batch(seqs)):
+            dev = aux.device
+            out.append(FeatureSample(i, torch.tensor(seq, device=dev),
+                                     torch.tensor(list(self._s[i].loss_mask)[:max_len], dtype=torch.bool, device=dev),
+                                     aux, final, am))
+        return out
 
 
 def _extracted(path: FeaturePath, todo: Sequence[Sample], batch_tokens: int

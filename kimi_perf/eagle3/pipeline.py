@@ -25,7 +25,7 @@ from ..engines.reference.drafter_model import save_drafter
 from ..models.embedded import cache_root, file_lock
 from ..progress import log
 from .data import EVAL_ONLY_SOURCES, DataConfig, Sample, build_items, generate_samples, samples_digest
-from .features import FeatureSpec, extract_features
+from .features import FeatureSpec, FeatureStore, OnlineFeatures, extract_features
 from .train import TrainConfig, TrainResult, train_drafter
 from .vocab import DEFAULT_SIZES, build_vocab_maps, count_tokens, coverage_table
 
@@ -108,6 +108,22 @@ def cache_dirs(recipe: DrafterRecipe, target_fingerprint: str, root: Path | None
     return data_dir, feat_dir, feat_dir / f"drafter-{recipe.data.digest()}-{recipe.train.digest()}"
 
 
+def feature_source(recipe: DrafterRecipe, samples: list[Sample], heldout: list[Sample], target_dir: Path,
+                   feat_dir: Path, target_fingerprint: str) -> FeatureStore | OnlineFeatures:
+    """Where the trainer reads features: the stored set of every sample, extracted now (resumable), or
+    with ``features.online`` the target computing each batch's rows during training. An online recipe
+    still stores the held-out samples' rows with their manifest (a few hundred samples): the alignment
+    tests compare stored rows with the serving path (test_stored_features_match_inference)."""
+    spec, max_len = recipe.features, recipe.train.max_seq_len
+    if not spec.online:
+        return extract_features(samples, target_dir, feat_dir, spec, model_fingerprint=target_fingerprint,
+                                max_len=max_len)
+    log(f"drafter features: online ({spec.backend} on {spec.device}), computed per training batch; "
+        f"the {len(heldout)} held-out samples' rows are stored in {feat_dir}")
+    extract_features(heldout, target_dir, feat_dir, spec, model_fingerprint=target_fingerprint, max_len=max_len)
+    return OnlineFeatures(samples, target_dir, spec, max_len=max_len)
+
+
 def build_drafter(
     recipe: DrafterRecipe,
     target_dir: Path,
@@ -145,8 +161,7 @@ def build_drafter(
             + _coverage_text(by_size)
             + "".join(f"; {src}: {_coverage_text(rows)}" for src, rows in by_source.items()))
         t1 = time.monotonic()
-        store = extract_features(list(samples.values()), target_dir, feat_dir, recipe.features,
-                                 model_fingerprint=target_fingerprint, max_len=recipe.train.max_seq_len)
+        store = feature_source(recipe, list(samples.values()), heldout, target_dir, feat_dir, target_fingerprint)
         t_feat = time.monotonic() - t1
         in_store = set(store.sample_ids)
         train_ids = [s.id for s in train if s.id in in_store]
@@ -167,7 +182,8 @@ def build_drafter(
                      "train_ids": sorted(train_ids), "heldout_ids": sorted(s.id for s in heldout)},
             "vocab": {"distinct_assistant_tokens": int((counts > 0).sum()), "coverage": covered,
                       "by_size": by_size, **({"by_source": by_source} if by_source else {})},
-            "features": {"dir": str(feat_dir), "layers": list(store.layers), "backend": store.manifest["backend"],
+            "features": {"dir": str(feat_dir), "mode": "online" if recipe.features.online else "stored",
+                         "layers": list(store.layers), "backend": store.manifest["backend"],
                          "backend_version": store.manifest["backend_version"], "tokens": store.num_tokens,
                          "seconds": t_feat, "planted_layer_offset": recipe.features.layer_offset},
             "train": asdict(res) if isinstance(res, TrainResult) else res,

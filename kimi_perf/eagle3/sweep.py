@@ -63,7 +63,7 @@ def run_sweep(profile: str, variants: list[str], *, model_dir: Path | None = Non
     from ..machine import machine_info
     from ..models.embedded import ensure_embedded_model, model_fingerprint
     from .data import build_items, read_samples
-    from .features import FeatureStore
+    from .features import FeatureStore, OnlineFeatures
     from .pipeline import cache_dirs, load_target_norm, load_target_tensors
     from .shipped import _profile_recipe
     from .train import train_drafter
@@ -73,12 +73,21 @@ def run_sweep(profile: str, variants: list[str], *, model_dir: Path | None = Non
     target = model_dir or ensure_embedded_model().path
     fp = model_fingerprint(target)
     data_dir, feat_dir, _ = cache_dirs(recipe, fp)
-    try:
-        store = FeatureStore(feat_dir)
-    except FileNotFoundError as e:
-        raise SystemExit(f"{e}: build the recipe's samples and features first "
-                         f"(pytest -m eagle --perf-profile {profile} --perf-train-drafter)") from None
     wanted = {i.id for i in build_items(recipe.data)}
+    store: FeatureStore | OnlineFeatures
+    if recipe.features.online:  # features from the target per batch: only the samples must be there
+        stored = [s for s in read_samples(data_dir / "samples.jsonl").values() if s.id in wanted]
+        if not stored:
+            raise SystemExit(f"{data_dir}: no samples of the recipe: build them first "
+                             f"(python -m kimi_perf.eagle3.generate --profile {profile})")
+        feat_dir.mkdir(parents=True, exist_ok=True)  # the sweep's rows and checkpoints live there
+        store = OnlineFeatures(stored, target, recipe.features, max_len=recipe.train.max_seq_len)
+    else:
+        try:
+            store = FeatureStore(feat_dir)
+        except FileNotFoundError as e:
+            raise SystemExit(f"{e}: build the recipe's samples and features first "
+                             f"(pytest -m eagle --perf-profile {profile} --perf-train-drafter)") from None
     in_store = set(store.sample_ids)
     samples = [s for s in read_samples(data_dir / "samples.jsonl").values() if s.id in wanted and s.id in in_store]
     train = [s for s in samples if s.split == "train"]

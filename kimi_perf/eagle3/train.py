@@ -36,7 +36,7 @@ import torch
 
 from ..engines.reference.drafter_model import Eagle3Config, Eagle3Drafter
 from ..progress import log
-from .features import FeatureSample, FeatureStore
+from .features import FeatureLoader, FeatureSample, FeatureStore, HeldFeatures, OnlineFeatures
 
 __all__ = ["TrainConfig", "TrainResult", "evaluate_heldout", "train_drafter"]
 
@@ -107,10 +107,13 @@ def _collate(samples: list[FeatureSample], t2d: torch.Tensor, lm_rows: torch.Ten
     t = max(s.input_ids.shape[0] for s in samples)
     b = len(samples)
     feat = samples[0].aux.shape[-1]
-    aux = torch.zeros(b, t, feat, dtype=dtype)
-    ids = torch.zeros(b, t, dtype=torch.long)
-    final = torch.zeros(b, t, lm_rows.shape[1], dtype=torch.float32)
-    valid = torch.zeros(b, t, dtype=torch.bool)
+    # built where the features are (host memory for stored ones, the GPU for online ones), then moved
+    src = samples[0].aux.device
+    t2d_src = t2d.to(src)
+    aux = torch.zeros(b, t, feat, dtype=dtype, device=src)
+    ids = torch.zeros(b, t, dtype=torch.long, device=src)
+    final = torch.zeros(b, t, lm_rows.shape[1], dtype=torch.float32, device=src)
+    valid = torch.zeros(b, t, dtype=torch.bool, device=src)
     for i, s in enumerate(samples):
         n = s.input_ids.shape[0]
         aux[i, :n] = s.aux.to(dtype)
@@ -118,16 +121,16 @@ def _collate(samples: list[FeatureSample], t2d: torch.Tensor, lm_rows: torch.Ten
         final[i, :n] = s.final.float()
         # position p predicts token p+1: trainable if that token is an assistant token and the target's
         # choice there is representable in the draft vocabulary
-        v = torch.zeros(n, dtype=torch.bool)
-        v[: n - 1] = s.loss_mask[1:n] & t2d[s.target_argmax[: n - 1]]
+        v = torch.zeros(n, dtype=torch.bool, device=src)
+        v[: n - 1] = s.loss_mask[1:n] & t2d_src[s.target_argmax[: n - 1]]
         valid[i, :n] = v
     logits = final.to(device) @ lm_rows.to(device).T  # [B, T, Vd]
     return aux.to(device), ids.to(device), logits, valid.to(device)
 
 
 @torch.no_grad()
-def evaluate_heldout(model: Eagle3Drafter, samples: list[FeatureSample], t2d: torch.Tensor, lm_rows: torch.Tensor,
-                     cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
+def evaluate_heldout(model: Eagle3Drafter, samples: list[FeatureSample] | FeatureLoader, t2d: torch.Tensor,
+                     lm_rows: torch.Tensor, cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     """Teacher-forced top-1 per drafting step on ``samples`` (see the module doc): ``acc`` over the
     positions whose target token is in the draft vocabulary, ``all_acc`` over every assistant position."""
     was_training = model.training
@@ -135,9 +138,10 @@ def evaluate_heldout(model: Eagle3Drafter, samples: list[FeatureSample], t2d: to
     hits = [0.0] * cfg.ttt_steps
     drafted = [0] * cfg.ttt_steps
     assistant = [0] * cfg.ttt_steps
-    lengths = {str(i): min(s.input_ids.shape[0], cfg.max_seq_len) for i, s in enumerate(samples)}
+    src = samples if not isinstance(samples, list) else HeldFeatures(iter(samples))
+    lengths = {i: min(n, cfg.max_seq_len) for i, n in src.lengths.items()}
     for batch_ids in _batches(lengths, cfg.batch_tokens, random.Random(0)):
-        batch = [_truncate(samples[int(i)], cfg.max_seq_len) for i in batch_ids]
+        batch = src.batch(batch_ids, cfg.max_seq_len)
         aux, ids, tlogits, valid = _collate(batch, t2d, lm_rows, device, torch.float32)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             out = model.ttt(aux, ids, tlogits, valid, cfg.ttt_steps)
@@ -164,7 +168,7 @@ def _atomic_save(obj: Any, path: Path) -> None:
 
 
 def train_drafter(
-    store: FeatureStore,
+    store: FeatureStore | OnlineFeatures,
     train_ids: list[str],
     target_config: dict[str, Any],
     target_embed: torch.Tensor,
@@ -178,7 +182,9 @@ def train_drafter(
     stop_after_steps: int | None = None,
     heldout_ids: list[str] | None = None,
 ) -> tuple[Eagle3Drafter, TrainResult]:
-    """Train on ``train_ids`` of ``store``; checkpoints live in ``workdir``. ``stop_after_steps`` ends
+    """Train on ``train_ids`` of ``store`` (stored features held in host memory, or
+    :class:`~kimi_perf.eagle3.features.OnlineFeatures` computing each batch's from the target);
+    checkpoints live in ``workdir``. ``stop_after_steps`` ends
     the run early (as a kill would) -- the resume tests use it. ``heldout_ids`` are scored after every
     epoch (:func:`evaluate_heldout`)."""
     if cfg.threads:
@@ -207,11 +213,11 @@ def train_drafter(
     lm_rows = target_lm_head[used].float()
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    samples = {s.id: s for s in store.samples(set(train_ids))}
-    lengths = {i: min(s.input_ids.shape[0], cfg.max_seq_len) for i, s in samples.items()}
-    if not samples:
+    samples = store.loader(set(train_ids))
+    lengths = {i: min(n, cfg.max_seq_len) for i, n in samples.lengths.items()}
+    if not lengths:
         raise ValueError("no training samples found in the feature store for the given ids")
-    heldout = list(store.samples(set(heldout_ids))) if heldout_ids else []  # evaluate_heldout truncates
+    heldout = store.loader(set(heldout_ids)) if heldout_ids else None  # evaluate_heldout truncates
     curve: list[dict[str, Any]] = []
     rng = random.Random(cfg.seed)
     epoch_batches = [_batches(lengths, cfg.batch_tokens, rng) for _ in range(cfg.epochs)]
@@ -251,12 +257,12 @@ def train_drafter(
                       "optim": opt.state_dict(), "step": step, "tokens": tokens, "py_rng": random.getstate(),
                       "torch_rng": torch.get_rng_state()}, state_path)
 
-    log(f"drafter training: {len(samples)} samples, {sum(lengths.values())} tokens x {cfg.epochs} epochs, "
+    log(f"drafter training: {len(lengths)} samples, {sum(lengths.values())} tokens x {cfg.epochs} epochs, "
         f"{total_steps} steps, TTT {cfg.ttt_steps}, draft vocab {cfg.draft_vocab_size}, device {device}")
     model.train()
     while step < total_steps:
         epoch, batch_ids = flat[step]
-        batch = [_truncate(samples[i], cfg.max_seq_len) for i in batch_ids]
+        batch = samples.batch(batch_ids, cfg.max_seq_len)
         aux, ids, tlogits, valid = _collate(batch, t2d, lm_rows, device, torch.float32)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
@@ -281,10 +287,10 @@ def train_drafter(
             win_loss, win_acc, win_n = 0.0, [0.0] * cfg.ttt_steps, 0
         if step % cfg.checkpoint_every == 0 or step == total_steps:
             save()
-        if heldout and (step == total_steps or flat[step][0] != epoch):
+        if heldout is not None and heldout_ids and (step == total_steps or flat[step][0] != epoch):
             ev = evaluate_heldout(model, heldout, t2d, lm_rows, cfg, device)
             curve.append({"epoch": epoch + 1, "step": step, **ev})
-            log(f"drafter training: epoch {epoch + 1} held-out ({len(heldout)} samples) top-1/step "
+            log(f"drafter training: epoch {epoch + 1} held-out ({len(heldout.lengths)} samples) top-1/step "
                 f"[{' '.join(f'{a:.2f}' for a in ev['acc'])}], over all assistant tokens "
                 f"[{' '.join(f'{a:.2f}' for a in ev['all_acc'])}]")
         if stop_after_steps is not None and step - resumed >= stop_after_steps:
@@ -294,12 +300,6 @@ def train_drafter(
     return model.cpu(), TrainResult(steps=step, tokens=tokens, seconds=el, tokens_per_s=(tokens - tok0) / max(el, 1e-9),
                                     final_step_acc=last_acc, final_loss=last_loss, resumed_from_step=resumed,
                                     heldout_by_epoch=curve)
-
-
-def _truncate(s: FeatureSample, m: int) -> FeatureSample:
-    if s.input_ids.shape[0] <= m:
-        return s
-    return FeatureSample(s.id, s.input_ids[:m], s.loss_mask[:m], s.aux[:m], s.final[:m], s.target_argmax[:m])
 
 
 def _default_layers(c: dict[str, Any]) -> tuple[int, ...]:
