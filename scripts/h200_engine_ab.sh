@@ -298,8 +298,9 @@ genjob|buildjob)  # run under gpu_lease: the recipe's prompt data and the sample
     # and speedup (docs/eagle3.md, "The drafter at scale"). SGLang is installed as the recipe's
     # generator; with every makeable sample carried, it is not launched
     rep=perf-report/build; mkdir -p "$rep"
+    eval "extra=(${PYTEST_ARGS:-})"  # shell words, as the A/B job reads them
     python3 -m pytest -m "perf and eagle" -p no:cacheprovider --perf-profile "${GEN_PROFILE:-h200-embedded}" \
-      --perf-sglang-python /tmp/sglang-python --perf-report-dir "$rep" --perf-history off -rA ${PYTEST_ARGS:-} \
+      --perf-sglang-python /tmp/sglang-python --perf-report-dir "$rep" --perf-history off -rA "${extra[@]}" \
       2>&1 | tee "$rep/pytest.log"
     rc=${PIPESTATUS[0]}
     for f in $(find "$KIMI_PERF_CACHE/eagle3" -name report.json -path '*drafter*' 2>/dev/null); do

@@ -183,7 +183,7 @@ def train_drafter(
     heldout_ids: list[str] | None = None,
 ) -> tuple[Eagle3Drafter, TrainResult]:
     """Train on ``train_ids`` of ``store`` (stored features held in host memory, or
-    :class:`~kimi_perf.eagle3.features.OnlineFeatures` computing each batch's from the target);
+    :class:`~kimi_perf.eagle3.features.OnlineFeatures` computing each batch's rows from the target);
     checkpoints live in ``workdir``. ``stop_after_steps`` ends
     the run early (as a kill would) -- the resume tests use it. ``heldout_ids`` are scored after every
     epoch (:func:`evaluate_heldout`)."""
@@ -287,7 +287,7 @@ def train_drafter(
             win_loss, win_acc, win_n = 0.0, [0.0] * cfg.ttt_steps, 0
         if step % cfg.checkpoint_every == 0 or step == total_steps:
             save()
-        if heldout is not None and heldout_ids and (step == total_steps or flat[step][0] != epoch):
+        if heldout is not None and (step == total_steps or flat[step][0] != epoch):
             ev = evaluate_heldout(model, heldout, t2d, lm_rows, cfg, device)
             curve.append({"epoch": epoch + 1, "step": step, **ev})
             log(f"drafter training: epoch {epoch + 1} held-out ({len(heldout.lengths)} samples) top-1/step "
