@@ -74,9 +74,9 @@ def run_sweep(profile: str, variants: list[str], *, model_dir: Path | None = Non
     fp = model_fingerprint(target)
     data_dir, feat_dir, _ = cache_dirs(recipe, fp)
     wanted = {i.id for i in build_items(recipe.data)}
+    stored = [s for s in read_samples(data_dir / "samples.jsonl").values() if s.id in wanted]
     store: FeatureStore | OnlineFeatures
     if recipe.features.online:  # features from the target per batch: only the samples must be there
-        stored = [s for s in read_samples(data_dir / "samples.jsonl").values() if s.id in wanted]
         if not stored:
             raise SystemExit(f"{data_dir}: no samples of the recipe: build them first "
                              f"(python -m kimi_perf.eagle3.generate --profile {profile})")
@@ -89,7 +89,7 @@ def run_sweep(profile: str, variants: list[str], *, model_dir: Path | None = Non
             raise SystemExit(f"{e}: build the recipe's samples and features first "
                              f"(pytest -m eagle --perf-profile {profile} --perf-train-drafter)") from None
     in_store = set(store.sample_ids)
-    samples = [s for s in read_samples(data_dir / "samples.jsonl").values() if s.id in wanted and s.id in in_store]
+    samples = [s for s in stored if s.id in in_store]
     train = [s for s in samples if s.split == "train"]
     held = [s for s in samples if s.split != "train"]
     if not train or not held:
