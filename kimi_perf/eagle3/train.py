@@ -36,7 +36,7 @@ import torch
 
 from ..engines.reference.drafter_model import Eagle3Config, Eagle3Drafter
 from ..progress import log
-from .features import FeatureLoader, FeatureSample, FeatureStore, HeldFeatures, OnlineFeatures
+from .features import FeatureLoader, FeatureSample, FeatureStore, OnlineFeatures
 
 __all__ = ["TrainConfig", "TrainResult", "evaluate_heldout", "train_drafter"]
 
@@ -129,7 +129,7 @@ def _collate(samples: list[FeatureSample], t2d: torch.Tensor, lm_rows: torch.Ten
 
 
 @torch.no_grad()
-def evaluate_heldout(model: Eagle3Drafter, samples: list[FeatureSample] | FeatureLoader, t2d: torch.Tensor,
+def evaluate_heldout(model: Eagle3Drafter, samples: FeatureLoader, t2d: torch.Tensor,
                      lm_rows: torch.Tensor, cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     """Teacher-forced top-1 per drafting step on ``samples`` (see the module doc): ``acc`` over the
     positions whose target token is in the draft vocabulary, ``all_acc`` over every assistant position."""
@@ -138,10 +138,9 @@ def evaluate_heldout(model: Eagle3Drafter, samples: list[FeatureSample] | Featur
     hits = [0.0] * cfg.ttt_steps
     drafted = [0] * cfg.ttt_steps
     assistant = [0] * cfg.ttt_steps
-    src = samples if not isinstance(samples, list) else HeldFeatures(iter(samples))
-    lengths = {i: min(n, cfg.max_seq_len) for i, n in src.lengths.items()}
+    lengths = {i: min(n, cfg.max_seq_len) for i, n in samples.lengths.items()}
     for batch_ids in _batches(lengths, cfg.batch_tokens, random.Random(0)):
-        batch = src.batch(batch_ids, cfg.max_seq_len)
+        batch = samples.batch(batch_ids, cfg.max_seq_len)
         aux, ids, tlogits, valid = _collate(batch, t2d, lm_rows, device, torch.float32)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             out = model.ttt(aux, ids, tlogits, valid, cfg.ttt_steps)
