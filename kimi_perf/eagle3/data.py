@@ -410,24 +410,27 @@ def generate_samples(
                 async def one(item: PromptItem) -> None:
                     nonlocal made
                     try:
-                        replies = []
-                        for t in range(1, item.turn):  # condition on regenerated earlier turns (greedy)
-                            key = f"{item.conv_id}-t{t}"
-                            if key in finished:
-                                await finished[key].wait()
-                            prev = done.get(key)
-                            if prev is None:
-                                # an earlier turn was skipped (too long), or left by the deadline
-                                if deadline is not None and time.monotonic() >= deadline:
-                                    st["left"] += 1
-                                else:
-                                    st["skipped"] += 1
-                                return
-                            replies.append(decode(prev.response_ids))
-                        ids = known_ids.get(item.id) or _prompt_ids(tokenizer, item, replies, cfg.max_prompt_tokens)
+                        # tokenized ahead when its earlier turns were stored; else it waits for them
+                        ids = known_ids.get(item.id)
                         if ids is None:
-                            st["skipped"] += 1
-                            return
+                            replies = []
+                            for t in range(1, item.turn):  # condition on regenerated earlier turns (greedy)
+                                key = f"{item.conv_id}-t{t}"
+                                if key in finished:
+                                    await finished[key].wait()
+                                prev = done.get(key)
+                                if prev is None:
+                                    # an earlier turn was skipped (too long), or left by the deadline
+                                    if deadline is not None and time.monotonic() >= deadline:
+                                        st["left"] += 1
+                                    else:
+                                        st["skipped"] += 1
+                                    return
+                                replies.append(decode(prev.response_ids))
+                            ids = _prompt_ids(tokenizer, item, replies, cfg.max_prompt_tokens)
+                            if ids is None:
+                                st["skipped"] += 1
+                                return
                         async with sem:
                             if deadline is not None and time.monotonic() >= deadline:
                                 st["left"] += 1
