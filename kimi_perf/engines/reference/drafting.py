@@ -190,7 +190,7 @@ class DrafterGraphs:
     """
 
     def __init__(self, rt: DrafterRuntime, *, max_bs: int, k: int) -> None:
-        from ..engines.reference.cuda_graphs import batch_buckets, window_buckets
+        from .cuda_graphs import batch_buckets, window_buckets
 
         self.rt = rt
         self.k = k
@@ -208,7 +208,7 @@ class DrafterGraphs:
     def capture_all(self, log: Any = print) -> None:
         import time
 
-        from ..engines.reference.cuda_graphs import capture_graph
+        from .cuda_graphs import capture_graph
 
         rt, t0 = self.rt, time.monotonic()
         stream = torch.cuda.Stream()
