@@ -33,9 +33,9 @@
 # PYTEST_ARGS (extra pytest arguments, shell-quoted: "-k 'accept_length or alignment'"; "-k throughput"
 # when only speed fits the lease), WAIT (seconds this call waits on the job, default 480; never past
 # CALL_S, the call's limit, default 600, less what the call spent installing and 30 s to collect: a
-# call that overran its limit once handed nothing back), RESTART=1
-# (start the ended job again), WH (wheelhouse folder here, default /work/wheelhouse; keep it outside the
-# repository).
+# call that overran its limit once handed nothing back), RESTART=1 (start the ended job again; the
+# data and build jobs from this call's tree), WH (wheelhouse folder here, default /work/wheelhouse;
+# keep it outside the repository).
 set -u
 cmd=${1:-device}
 WH=${WH:-/work/wheelhouse}
@@ -175,7 +175,9 @@ device)
     if [ ! -f "/tmp/kimi-lease/$self/state.json" ] || [ "${RESTART:-0}" = 1 ]; then
       nproc; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
       job=genjob; [ "$self" = build ] && job=buildjob
-      python3 scripts/gpu_lease.py start "$self" -- bash scripts/h200_engine_ab.sh "$job"
+      # a restart runs this call's tree, not the copy the ended job ran (a fix made between calls)
+      fresh=(); [ "${RESTART:-0}" = 1 ] && fresh=(--fresh-tree)
+      python3 scripts/gpu_lease.py start "${fresh[@]}" "$self" -- bash scripts/h200_engine_ab.sh "$job"
     fi
     python3 scripts/gpu_lease.py wait "$self" --max-s "$(wait_s 480)" --every 60
     if [ "$self" = gen ]; then
