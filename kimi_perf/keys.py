@@ -256,8 +256,10 @@ def unreachable(profile: Profile, key: BaselineKey) -> str | None:
             # test_acceptance_in_vllm serves the same drafter on vllm when eagle3.engines leaves it out
             engines = (*engines, "vllm")
         if s == "eagle3_planted_offset":
-            # the planted SGLang layer offset runs on the profile's SGLang engines
-            engines = tuple(n for n, e in profile.engines.items() if e.get("kind") == "sglang")
+            # the planted SGLang layer offset runs on the profile's SGLang engines; the one-layer-off
+            # serving of test_layer_mismatch_collapses_acceptance_and_is_named on the engine named reference
+            engines = tuple(n for n, e in profile.engines.items()
+                            if e.get("kind") == "sglang" or (n == "reference" and e.get("kind") == "reference"))
         if key.engine not in engines:
             return f"engine {key.engine!r} does not run {s} under this profile (engines {list(engines)})"
         if key.concurrency != 1:

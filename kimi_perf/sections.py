@@ -154,8 +154,11 @@ class Eagle3Eval:
     min_speedup: float = _f(1.0, "minimum speculative over plain decode tok/s")
     min_accept_length: float = _f(1.0, "minimum mean accept length (tokens per target step, 1 = no draft "
                                        "accepted)")
-    mismatch_max_accept_ratio: float = _f(0.6, "a drafter served one layer off must accept fewer than this "
-                                               "fraction of the correctly served drafter's accepted drafts")
+    mismatch_max_accept_ratio: float | None = _f(0.6, "a drafter served one layer off must accept fewer than "
+                                                      "this fraction of the correctly served drafter's accepted "
+                                                      "drafts; null: the drop is measured and reported, not "
+                                                      "asserted (a model whose adjacent layers are close enough "
+                                                      "that an offset costs little acceptance)")
     mismatch_min_accept_length: float = _f(1.5, "below this accept length the correctly served drafter is too "
                                                 "weak to resolve an acceptance drop; the layer-mismatch tests "
                                                 "then assert only the alignment half")
@@ -210,8 +213,12 @@ def parse_eagle3(raw: Any, engines: Mapping[str, Any]) -> Eagle3Section | None:
         prompts=_number(ev, "prompts", "eagle3.eval", 1, d.prompts, integer=True),
         max_new_tokens=_number(ev, "max_new_tokens", "eagle3.eval", 1, d.max_new_tokens, integer=True),
         code_prompts=_number(ev, "code_prompts", "eagle3.eval", 0, d.code_prompts, integer=True),
+        # null is the one value outside the numbers: measured, not asserted (field doc)
+        mismatch_max_accept_ratio=(None if "mismatch_max_accept_ratio" in ev and ev["mismatch_max_accept_ratio"] is None
+                                   else _number(ev, "mismatch_max_accept_ratio", "eagle3.eval", 0,
+                                                d.mismatch_max_accept_ratio)),
         **{k: _number(ev, k, "eagle3.eval", 0, getattr(d, k))
-           for k in ("min_speedup", "min_accept_length", "mismatch_max_accept_ratio", "mismatch_min_accept_length")})
+           for k in ("min_speedup", "min_accept_length", "mismatch_min_accept_length")})
     matrix = None
     if "matrix" in raw:
         m = _object(raw["matrix"], "eagle3.matrix")

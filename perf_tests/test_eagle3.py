@@ -286,16 +286,26 @@ def test_stored_features_match_inference(eagle3_drafter, alignment, perf_gate, t
 
 @pytest.mark.alignment
 def test_layer_mismatch_collapses_acceptance_and_is_named(eagle3_runs, eagle3_drafter, alignment, server_pool,
-                                                          perf_session, target_model, tmp_path, request):
+                                                          perf_session, perf_gate, target_model, tmp_path, request):
     """The real-world failure: a checkpoint whose aux-layer ids are in another engine's convention
     (written for SGLang's Llama, read by a vLLM-convention engine) feeds every feature one layer off.
-    Acceptance must drop, and the alignment check must say "off-by-one layer id"."""
+    The alignment check must say "off-by-one layer id"; acceptance must drop below
+    ``eval.mismatch_max_accept_ratio`` of the correctly served drafter's, or, where the profile sets it
+    to null because an offset was measured to cost that model little, the drop is reported.
+
+    Why both halves: the cosine check sees an offset on any model, while what it costs in acceptance
+    depends on how close adjacent layers are. On SmolLM2-135M the 47K-sample drafter (accept length
+    1.93) served one layer off still accepted x0.979 of its drafts on an H100, so a fixed collapse
+    ratio would fail identical code there; the number is recorded (INFO) in every run either way."""
     from kimi_perf.alignment.diagnose import AlignmentError, check_served_layers
     from kimi_perf.engines.reference.drafter_model import (
         Eagle3Config,
         aux_ids_for_engine,
         effective_aux_layers,
     )
+    from kimi_perf.keys import eagle3_workload
+    from kimi_perf.metrics import get_metric
+    from kimi_perf.stats import reported
 
     _reference_selected(perf_session)
     cfg = json.loads((eagle3_drafter.path / "config.json").read_text())
@@ -335,14 +345,29 @@ def test_layer_mismatch_collapses_acceptance_and_is_named(eagle3_runs, eagle3_dr
     log(f"eagle3 layer mismatch: trained on {list(trained)}, served {list(served)}: accept length "
         f"{res.accept_length:.3f} vs {good:.3f} served right (accepted drafts x{ratio:.3f})")
     if good < resolvable:
+        decided = (f"not asserted: the correctly served drafter's accept length {good:.3f} is below {resolvable} "
+                   "(eval.mismatch_min_accept_length), too weak to resolve an acceptance drop")
+    elif max_ratio is None:
+        decided = ("not asserted: eval.mismatch_max_accept_ratio is null (an offset was measured to cost this "
+                   "model little acceptance; the alignment half named it)")
+    else:
+        decided = f"asserted: accepted drafts must fall below x{max_ratio:.2f} (eval.mismatch_max_accept_ratio)"
+    why = (f"served one layer off ({list(served)} for a drafter trained on {list(trained)}): accepted drafts "
+           f"x{ratio:.3f} of the correctly served drafter's {good:.3f}; {decided}")
+    # recorded before any assertion, so a failing run's report carries the figures that failed it
+    perf_gate.check(scenario="eagle3_planted_offset", engine="reference", model=target_model.name,
+                    workload=eagle3_workload(perf_session.profile), concurrency=1,
+                    samples={"accept_length": [res.accept_length]}, gated=[], dependent=["accept_length"],
+                    extra={"correct_accept_length": good, "accepted_drafts_ratio": ratio,
+                           "written_ids": list(written), "served_layers": list(served),
+                           "trained_layers": list(trained), "max_ratio": max_ratio},
+                    decided=[reported(get_metric("accept_length"), [res.accept_length], why)])
+    if good < resolvable or max_ratio is None:
         import warnings
 
         from kimi_perf.plugin import PerfWarning
 
-        warnings.warn(PerfWarning(
-            f"eagle3 layer mismatch: the correctly served drafter's accept length {good:.3f} is below "
-            f"{resolvable} (eval.mismatch_min_accept_length), too weak to resolve an acceptance drop; only the "
-            f"alignment check was asserted (accepted drafts x{ratio:.3f} when served one layer off)"), stacklevel=1)
+        warnings.warn(PerfWarning(f"eagle3 layer mismatch: {why}"), stacklevel=1)
         return
     assert ratio < max_ratio, (
         f"serving layers {list(served)} instead of {list(trained)}: accepted drafts per step should fall below "

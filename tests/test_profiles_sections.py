@@ -65,6 +65,7 @@ def test_bools_are_refused_where_numbers_are_expected_naming_file_and_key(tmp_pa
     ("eagle3", {"recipe": ["data"]}, r"eagle3.recipe: must be an object"),
     ("eagle3", {"eval": {"code_prompts": -1}}, r"eagle3.eval.code_prompts"),
     ("eagle3", {"eval": {"code_prompts": 2.5}}, r"eagle3.eval.code_prompts"),
+    ("eagle3", {"eval": {"mismatch_max_accept_ratio": "none"}}, r"eagle3.eval.mismatch_max_accept_ratio"),
 ])
 def test_section_errors_name_the_key_and_the_fix(tmp_path, section, value, match):
     with pytest.raises(ProfileError, match=match + ".*Fix: "):
@@ -76,6 +77,9 @@ def test_sections_are_typed_with_their_defaults_from_one_place():
     assert isinstance(e, Eagle3Section) and e.engines == ("vllm",) and e.eval == Eagle3Eval()
     assert e.steps == 3 and e.eval.mismatch_min_accept_length == 1.5 and e.gated == ("accept_length", "accept_rate_pos0")
     assert e.matrix is None and e.recipe is None
+    # null is the one non-number a collapse ratio takes: measured and reported, not asserted
+    assert e.eval.mismatch_max_accept_ratio == 0.6
+    assert parse_eagle3({"eval": {"mismatch_max_accept_ratio": None}}, ENGINES).eval.mismatch_max_accept_ratio is None
     with pytest.raises(ValueError, match="no eagle3.recipe"):
         e.drafter_recipe()
     assert parse_alignment(None, ENGINES) == AlignmentSection() == parse_alignment({}, ENGINES)
