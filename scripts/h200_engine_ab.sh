@@ -320,7 +320,8 @@ genjob|buildjob)  # run under gpu_lease: the recipe's prompt data and the sample
 merge)
   src=${2:?give the call\'s files_at folder}
   if [ -f "$src/build/build-reports.tgz" ]; then  # a drafter-build lease: its reports, by time
-    d=benchmarks/h200-drafter-lease/4-build/$(date -u +%Y%m%dT%H%M); mkdir -p "$d"
+    # by time to the second: three merges of one lease's calls once landed in one minute's folder
+    d=benchmarks/h200-drafter-lease/4-build/$(date -u +%Y%m%dT%H%M%S); mkdir -p "$d"
     tar xzf "$src/build/build-reports.tgz" -C "$d" --strip-components 2 && cp "$src/build/job.log" "$d/"
     ls "$d"; exit 0
   fi
