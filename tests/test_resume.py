@@ -283,6 +283,37 @@ def test_held_out_scoring_per_epoch_leaves_training_unchanged(tiny_model, tmp_pa
         torch.testing.assert_close(m_scored.state_dict()[k], v, rtol=0, atol=0, msg=k)
 
 
+def test_a_resumed_run_reports_the_held_out_points_of_the_epochs_before_it(tiny_model, tmp_path):
+    """The held-out curve (one point per epoch) is what the recipe's epochs are chosen by, and a GPU
+    lease can end mid-training: the points of the epochs before a kill travel in the checkpoint, so
+    the resumed run's curve equals an uninterrupted run's. (It used to start empty on resume.)"""
+    from kimi_perf.eagle3.features import FeatureSpec, extract_features
+    from kimi_perf.eagle3.pipeline import load_target_tensors
+    from kimi_perf.eagle3.train import TrainConfig, train_drafter
+    from kimi_perf.eagle3.vocab import build_vocab_maps, count_tokens
+
+    samples = _samples(16)
+    store = extract_features(samples, tiny_model, tmp_path / "feat", FeatureSpec(shard_tokens=4096, dtype="float32"),
+                             model_fingerprint="tiny")
+    train_ids, held_ids = [s.id for s in samples[:12]], [s.id for s in samples[12:]]
+    cfg, embed, lm = load_target_tensors(tiny_model)
+    d2t, t2d = build_vocab_maps(count_tokens(((s.ids, s.loss_mask) for s in samples[:12]), cfg["vocab_size"]), 256)
+    tc = TrainConfig(draft_vocab_size=256, ttt_steps=2, epochs=3, batch_tokens=128, device="cpu", threads=1,
+                     warmup_steps=2, log_every=100, checkpoint_every=1)
+
+    def run(work, stop=None):
+        return train_drafter(store, train_ids, cfg, embed, lm, torch.from_numpy(d2t), torch.from_numpy(t2d),
+                             work, tc, heldout_ids=held_ids, stop_after_steps=stop)[1]
+
+    whole = run(tmp_path / "whole")
+    assert [p["epoch"] for p in whole.heldout_by_epoch] == [1, 2, 3]
+    first = run(tmp_path / "killed", stop=whole.heldout_by_epoch[1]["step"])  # killed right after epoch 2
+    assert [p["epoch"] for p in first.heldout_by_epoch] == [1, 2]
+    resumed = run(tmp_path / "killed")
+    assert resumed.resumed_from_step == whole.heldout_by_epoch[1]["step"]
+    assert resumed.heldout_by_epoch == whole.heldout_by_epoch
+
+
 def test_online_features_train_the_drafter_the_stored_ones_do(tiny_model, tmp_path):
     """FeatureSpec.online computes each training batch's rows from the target instead of reading
     stored shards (a 47K-sample recipe's shards would be 83 GB). It changes how, not what: the same

@@ -238,6 +238,7 @@ def train_drafter(
             model.load_state_dict(st["model"])
             opt.load_state_dict(st["optim"])
             step, tokens = int(st["step"]), int(st["tokens"])
+            curve = list(st.get("curve", []))  # the held-out points of the epochs before the kill
             random.setstate(st["py_rng"])
             torch.set_rng_state(st["torch_rng"])
             resumed = step
@@ -254,7 +255,7 @@ def train_drafter(
     def save() -> None:
         _atomic_save({"config_digest": cfg.digest(), "train_ids": sorted(train_ids), "model": model.state_dict(),
                       "optim": opt.state_dict(), "step": step, "tokens": tokens, "py_rng": random.getstate(),
-                      "torch_rng": torch.get_rng_state()}, state_path)
+                      "torch_rng": torch.get_rng_state(), "curve": curve}, state_path)
 
     log(f"drafter training: {len(lengths)} samples, {sum(lengths.values())} tokens x {cfg.epochs} epochs, "
         f"{total_steps} steps, TTT {cfg.ttt_steps}, draft vocab {cfg.draft_vocab_size}, device {device}")
@@ -284,14 +285,15 @@ def train_drafter(
             log(f"drafter training: step {step}/{total_steps} epoch {epoch + 1}/{cfg.epochs} loss {win_loss / win_n:.3f} "
                 f"top1/step [{accs}] lr {lr_at(step - 1):.2e} {(tokens - tok0) / max(el, 1e-9):.0f} tok/s")
             win_loss, win_acc, win_n = 0.0, [0.0] * cfg.ttt_steps, 0
-        if step % cfg.checkpoint_every == 0 or step == total_steps:
-            save()
+        # the epoch's held-out point before the checkpoint, so a resumed run reports every epoch's
         if heldout is not None and (step == total_steps or flat[step][0] != epoch):
             ev = evaluate_heldout(model, heldout, t2d, lm_rows, cfg, device)
             curve.append({"epoch": epoch + 1, "step": step, **ev})
             log(f"drafter training: epoch {epoch + 1} held-out ({len(heldout.lengths)} samples) top-1/step "
                 f"[{' '.join(f'{a:.2f}' for a in ev['acc'])}], over all assistant tokens "
                 f"[{' '.join(f'{a:.2f}' for a in ev['all_acc'])}]")
+        if step % cfg.checkpoint_every == 0 or step == total_steps:
+            save()
         if stop_after_steps is not None and step - resumed >= stop_after_steps:
             break
     el = time.monotonic() - t0
