@@ -97,12 +97,14 @@ def _known_keys(raw: Mapping[str, Any], cls: type, where: str) -> None:
 
 
 def _number(sec: Mapping[str, Any], key: str, where: str, lo: float, default: Any, *, integer: bool = False,
-            strict: bool = False) -> Any:
+            strict: bool = False, nullable: bool = False) -> Any:
     """``sec[key]`` (``default`` when absent) checked: a number (an int for ``integer``; never a bool),
-    finite, >= lo (> lo for ``strict``)."""
+    finite, >= lo (> lo for ``strict``); null too for ``nullable`` (None)."""
     if key not in sec:
         return default
     v = sec[key]
+    if v is None and nullable:
+        return None
     ok = not isinstance(v, bool) and (isinstance(v, int) if integer else isinstance(v, (int, float)))
     if ok and (not math.isfinite(float(v)) or (v <= lo if strict else v < lo)):
         ok = False
@@ -213,10 +215,9 @@ def parse_eagle3(raw: Any, engines: Mapping[str, Any]) -> Eagle3Section | None:
         prompts=_number(ev, "prompts", "eagle3.eval", 1, d.prompts, integer=True),
         max_new_tokens=_number(ev, "max_new_tokens", "eagle3.eval", 1, d.max_new_tokens, integer=True),
         code_prompts=_number(ev, "code_prompts", "eagle3.eval", 0, d.code_prompts, integer=True),
-        # null is the one value outside the numbers: measured, not asserted (field doc)
-        mismatch_max_accept_ratio=(None if "mismatch_max_accept_ratio" in ev and ev["mismatch_max_accept_ratio"] is None
-                                   else _number(ev, "mismatch_max_accept_ratio", "eagle3.eval", 0,
-                                                d.mismatch_max_accept_ratio)),
+        # null: measured, not asserted (field doc)
+        mismatch_max_accept_ratio=_number(ev, "mismatch_max_accept_ratio", "eagle3.eval", 0,
+                                          d.mismatch_max_accept_ratio, nullable=True),
         **{k: _number(ev, k, "eagle3.eval", 0, getattr(d, k))
            for k in ("min_speedup", "min_accept_length", "mismatch_min_accept_length")})
     matrix = None
