@@ -49,23 +49,33 @@ def _with_packages(target: str, importer: str, mods: dict[str, Path]) -> set[str
     return {m for m in chain if m in mods and m not in own}
 
 
+def _imports(mod: str, path: Path) -> list[tuple[ast.Import | ast.ImportFrom, list[str]]]:
+    """Every import statement anywhere in module ``mod`` with the module(s) it names, a relative
+    ``from`` resolved against the module's package."""
+    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    out: list[tuple[ast.Import | ast.ImportFrom, list[str]]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.append((node, [a.name for a in node.names]))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                out.append((node, [".".join(base + ([node.module] if node.module else []))]))
+            else:
+                out.append((node, [node.module or ""]))
+    return out
+
+
 def import_graph() -> dict[str, set[str]]:
     mods = _modules()
     graph: dict[str, set[str]] = {}
     for mod, path in mods.items():
-        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         names: list[str] = []
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                names += [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")
-                    base = base[: len(base) - (node.level - 1)]
-                    src = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    src = node.module or ""
-                names += [src] + [f"{src}.{a.name}" for a in node.names]
+        for node, srcs in _imports(mod, path):
+            names += srcs
+            if isinstance(node, ast.ImportFrom):  # `from x import y` may import the module x.y
+                names += [f"{srcs[0]}.{a.name}" for a in node.names]
         edges: set[str] = set()
         for n in names:
             hit = _known(n, mods)
@@ -124,24 +134,9 @@ def unresolved_imports() -> list[str]:
     """``path:line module`` for every ``from X import ...`` (relative ones resolved) and ``import X``
     naming a kimi_perf module that does not exist."""
     mods = _modules()
-    bad = []
-    for mod, path in mods.items():
-        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")
-                    base = base[: len(base) - (node.level - 1)]
-                    srcs = [".".join(base + ([node.module] if node.module else []))]
-                else:
-                    srcs = [node.module or ""]
-            elif isinstance(node, ast.Import):
-                srcs = [a.name for a in node.names]
-            else:
-                continue
-            bad += [f"{path.relative_to(PKG.parent)}:{node.lineno} {s}" for s in srcs
-                    if (s == "kimi_perf" or s.startswith("kimi_perf.")) and s not in mods]
-    return bad
+    return [f"{path.relative_to(PKG.parent)}:{node.lineno} {s}" for mod, path in mods.items()
+            for node, srcs in _imports(mod, path) for s in srcs
+            if (s == "kimi_perf" or s.startswith("kimi_perf.")) and s not in mods]
 
 
 def test_every_import_of_the_package_names_a_module_that_exists():
