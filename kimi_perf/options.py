@@ -79,7 +79,8 @@ def add_options(parser: pytest.Parser) -> None:
     g.addoption("--perf-allow-remote-bind", action="store_true", default=False,
                 help="let a profile's engine bind a non-loopback host (default: every server binds 127.0.0.1)")
     g.addoption("--perf-drafter", default=None, metavar="PATH",
-                help="use this EAGLE-3 drafter checkpoint instead of the profile's recipe")
+                help="use this EAGLE-3 drafter instead of the profile's recipe: a checkpoint folder or a shipped "
+                     "bundle's (kimi_perf/eagle3/shipped_drafters/NAME, written out once into the cache)")
     g.addoption("--perf-train-drafter", action="store_true", default=False,
                 help="train the profile's EAGLE-3 drafter recipe through the cached pipeline even when a drafter "
                      "shipped with kimi-perf matches it (recipe digests, target fingerprint, file hashes); CI "

@@ -60,15 +60,45 @@ def test_a_tampered_file_is_refused_with_the_file_named(tmp_path):
     assert src is not None
     root = tmp_path / "shipped"
     shutil.copytree(src.root, root / src.root.name)
-    f = root / src.root.name / "drafter" / "model.safetensors"
+    f = root / src.root.name / "drafter" / "model.safetensors.xz"
     raw = bytearray(f.read_bytes())
     raw[-1] ^= 0xFF
     f.write_bytes(bytes(raw))
-    with pytest.raises(ShippedDrafterError, match="model.safetensors has sha256"):
+    with pytest.raises(ShippedDrafterError, match="model.safetensors.xz has sha256"):
         find_shipped(_recipe(), fp, root=root)
     f.unlink()
-    with pytest.raises(ShippedDrafterError, match="model.safetensors is missing"):
+    with pytest.raises(ShippedDrafterError, match="model.safetensors.xz is missing"):
         find_shipped(_recipe(), fp, root=root)
+
+
+def test_weights_stored_compressed_are_written_out_and_checked_as_trained(tmp_path):
+    """The weights ship xz-compressed; what install writes must be the trained file (the manifest's
+    ``files`` hash), also when the compressed file matches its own (edited) stored hash."""
+    import lzma
+
+    from kimi_perf.eagle3.shipped import ShippedDrafter, materialize
+    from kimi_perf.models.embedded import file_sha256
+
+    _, fp = _target()
+    src, _ = find_shipped(_recipe(), fp)
+    assert src is not None
+    assert not (src.root / "drafter" / "model.safetensors").exists()  # only the .xz travels
+    out = materialize(src, tmp_path / "plain")
+    assert file_sha256(out / "model.safetensors") == src.manifest["files"]["drafter/model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "report.json"]
+    root = tmp_path / "shipped" / src.name
+    shutil.copytree(src.root, root)
+    raw = bytearray((out / "model.safetensors").read_bytes())
+    raw[-1] ^= 0x01
+    (root / "drafter" / "model.safetensors.xz").write_bytes(lzma.compress(bytes(raw), preset=0))
+    m = json.loads((root / "MANIFEST.json").read_text())
+    m["stored"]["drafter/model.safetensors"]["sha256"] = file_sha256(root / "drafter" / "model.safetensors.xz")
+    (root / "MANIFEST.json").write_text(json.dumps(m))
+    bundle, _ = find_shipped(_recipe(), fp, root=tmp_path / "shipped")  # stored hashes agree
+    assert bundle is not None
+    with pytest.raises(ShippedDrafterError, match="model.safetensors unpacks to sha256"):
+        materialize(ShippedDrafter(root, m), tmp_path / "bad")
+    assert not (tmp_path / "bad" / "model.safetensors").exists()
 
 
 def test_the_fingerprint_ignores_where_the_gguf_was_installed(tmp_path):
@@ -115,13 +145,12 @@ def test_an_installed_bundle_gives_held_out_prompts_and_their_stored_features(tm
 def test_a_trained_drafter_is_compared_with_the_shipped_one_file_by_file(tmp_path):
     """CI trains the recipe (--perf-train-drafter); the fixture then says whether the result is the shipped
     artifact byte for byte (it was, on the box that exported it) or not (reported, never failed)."""
-    from kimi_perf.eagle3.shipped import compare_with_shipped
+    from kimi_perf.eagle3.shipped import compare_with_shipped, materialize
 
     _, fp = _target()
     bundle, _ = find_shipped(_recipe(), fp)
     assert bundle is not None
-    d = tmp_path / "drafter"
-    shutil.copytree(bundle.root / "drafter", d)
+    d = materialize(bundle, tmp_path / "drafter")
     assert compare_with_shipped(bundle, d) == {"bundle": bundle.name, "config.json": "identical",
                                                "model.safetensors": "identical", "identical": True}
     raw = bytearray((d / "model.safetensors").read_bytes())
@@ -159,22 +188,156 @@ def test_a_row_drafter_exports_although_its_features_name_the_server_they_came_t
     """A matrix row's recipe carries the capture server's URL (a port of that run), which the pipeline's
     digests leave out: export identifies the recipe by its digests, and the bundle stores no URL."""
     from kimi_perf.eagle3.pipeline import _jsonable
-    from kimi_perf.eagle3.shipped import export
+    from kimi_perf.eagle3.shipped import export, materialize
 
     _, fp = _target()
     bundle, _ = find_shipped(_row_recipe("reference"), fp)
     assert bundle is not None
-    d = tmp_path / "drafter"
-    shutil.copytree(bundle.root / "drafter", d)
+    d = materialize(bundle, tmp_path / "drafter")
     (d / "COMPLETE").write_text("ok\n")
     served = replace(_row_recipe("reference"), features=replace(_row_recipe("reference").features,
                                                                  server_url="http://127.0.0.1:41234"))
     rep = json.loads((d / "report.json").read_text())
     (d / "report.json").write_text(json.dumps({**rep, "recipe": _jsonable(served)}))
-    out = export(d, bundle.root / "heldout_samples.jsonl", _row_recipe("reference"), fp, out_root=tmp_path / "out")
+    out = export(d, bundle.root / "heldout_samples.jsonl", _row_recipe("reference"), fp, out_root=tmp_path / "out",
+                 preset=0)
     assert "41234" not in (out / "drafter" / "report.json").read_text()
     assert find_shipped(_row_recipe("reference"), fp, root=tmp_path / "out")[0] is not None
     other = replace(served, train=replace(served.train, epochs=served.train.epochs + 1))
     (d / "report.json").write_text(json.dumps({**rep, "recipe": _jsonable(other)}))
     with pytest.raises(ShippedDrafterError, match="another recipe"):
         export(d, bundle.root / "heldout_samples.jsonl", _row_recipe("reference"), fp, out_root=tmp_path / "out2")
+
+
+def test_a_packed_bundle_comes_back_whole_and_is_found(tmp_path):
+    """A GPU lease returns its drafter cut into parts (at most 16 MiB a file): unpacking here gives the same
+    bundle, which find_shipped then serves; the parts are byte-identical when packed twice."""
+    from kimi_perf.eagle3.shipped import pack_bundle, unpack_bundle
+
+    _, fp = _target()
+    src, _ = find_shipped(_recipe(), fp)
+    assert src is not None
+    ix = pack_bundle(src.root, tmp_path / "parts", part_mib=4)
+    assert len(ix["parts"]) >= 3 and all(p["size"] <= 4 << 20 for p in ix["parts"])
+    again = pack_bundle(src.root, tmp_path / "parts2", part_mib=4)
+    assert again["tar_sha256"] == ix["tar_sha256"]
+    dest = unpack_bundle(tmp_path / "parts", tmp_path / "root")
+    assert dest == tmp_path / "root" / src.name
+    got, _ = find_shipped(_recipe(), fp, root=tmp_path / "root")
+    assert got is not None and got.manifest == src.manifest
+    assert sorted(p.name for p in (tmp_path / "root").iterdir()) == [src.name]  # no temporary folder left
+
+
+def test_a_damaged_missing_or_foreign_part_is_refused_and_nothing_is_installed(tmp_path):
+    from kimi_perf.eagle3.shipped import main, pack_bundle, unpack_bundle
+
+    _, fp = _target()
+    src, _ = find_shipped(_recipe(), fp)
+    assert src is not None
+    parts = tmp_path / "parts"
+    ix = pack_bundle(src.root, parts, part_mib=4)
+    first, second = (parts / p["file"] for p in ix["parts"][:2])
+    keep = second.read_bytes()
+    second.write_bytes(keep[:-1] + bytes([keep[-1] ^ 1]))
+    with pytest.raises(ShippedDrafterError, match=f"{second.name} damaged"):
+        unpack_bundle(parts, tmp_path / "root")
+    second.unlink()
+    with pytest.raises(ShippedDrafterError, match=f"{second.name} missing"):
+        unpack_bundle(parts, tmp_path / "root")
+    second.write_bytes(keep)
+    # an index of another build: every part intact by its own entry, the whole tar not the index's
+    index = json.loads((parts / "drafter-bundle.json").read_text())
+    (parts / "drafter-bundle.json").write_text(json.dumps({**index, "tar_sha256": "0" * 64}))
+    with pytest.raises(ShippedDrafterError, match="different builds"):
+        unpack_bundle(parts, tmp_path / "root")
+    assert not (tmp_path / "root").exists() or not any((tmp_path / "root").iterdir())
+    assert main(["unpack", str(parts), "--into", str(tmp_path / "root")]) == 1
+    assert first.is_file()
+
+
+def test_a_bundle_that_fails_its_own_manifest_is_not_put_in_place(tmp_path):
+    """The parts are intact but a file inside is not the one the manifest names (a hand edit before
+    packing): the unpacked copy is removed, not served."""
+    from kimi_perf.eagle3.shipped import pack_bundle, unpack_bundle
+    from kimi_perf.wheelhouse.parts import pack_parts
+
+    _, fp = _target()
+    src, _ = find_shipped(_recipe(), fp)
+    assert src is not None
+    pack_bundle(src.root, tmp_path / "good", part_mib=64)
+    edited = tmp_path / "edited"
+    shutil.copytree(src.root, edited)
+    (edited / "drafter" / "config.json").write_text("{}")
+    files = [(f"{src.name}/{p.relative_to(edited)}", p) for p in sorted(edited.rglob("*")) if p.is_file()]
+    res = pack_parts(files, tmp_path / "bad", "drafter-bundle", 64 << 20)
+    index = json.loads((tmp_path / "good" / "drafter-bundle.json").read_text())
+    index.update(tar_size=res.tar_size, tar_sha256=res.tar_sha256, parts=[vars(p) for p in res.parts])
+    (tmp_path / "bad" / "drafter-bundle.json").write_text(json.dumps(index))
+    with pytest.raises(ShippedDrafterError, match="config.json has sha256"):
+        unpack_bundle(tmp_path / "bad", tmp_path / "root")
+    assert list((tmp_path / "root").iterdir()) == []
+
+
+def test_pack_and_unpack_on_the_command_line_as_the_build_lease_runs_them(tmp_path, capsys):
+    """The build job runs ``pack --profile P --drafter-dir D --out DIR`` after training; ``merge`` runs
+    ``unpack DIR`` here. A drafter laid out as the pipeline caches it goes through both."""
+    from kimi_perf.eagle3.shipped import main, materialize
+
+    _, fp = _target()
+    src, _ = find_shipped(_recipe(), fp)
+    assert src is not None
+    d = materialize(src, tmp_path / "work" / "x" / "y" / "drafter")  # <data>/<features>/<train>/drafter
+    (d / "COMPLETE").write_text("ok\n")
+    shutil.copyfile(src.root / "heldout_samples.jsonl", tmp_path / "work" / "samples.jsonl")
+    assert main(["pack", "--profile", "embedded-cpu", "--drafter-dir", str(d), "--out", str(tmp_path / "parts"),
+                 "--part-mib", "4"]) == 0
+    assert "into 3 parts" in capsys.readouterr().out
+    assert main(["unpack", str(tmp_path / "parts"), "--into", str(tmp_path / "root")]) == 0
+    got, _ = find_shipped(_recipe(), fp, root=tmp_path / "root")
+    assert got is not None
+    for f in ("drafter/model.safetensors", "drafter/config.json", "heldout_samples.jsonl"):
+        assert got.manifest["files"][f] == src.manifest["files"][f], f
+
+
+def test_perf_drafter_takes_a_bundle_folder_and_serves_it_written_out_once(tmp_path):
+    """``--perf-drafter`` names a checkpoint or a shipped bundle (its folder or the drafter folder in it);
+    the bundle's compressed weights are written out under the cache once and served from there."""
+    from kimi_perf.eagle3.shipped import bundle_at, served_path
+
+    _, fp = _target()
+    src, _ = find_shipped(_recipe(), fp)
+    assert src is not None
+    assert bundle_at(src.root).name == src.name and bundle_at(src.root / "drafter").name == src.name
+    out = served_path(src, root=tmp_path)
+    assert out == tmp_path / "eagle3" / "bundles" / src.name / "drafter" and (out / "COMPLETE").is_file()
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    assert served_path(src, root=tmp_path) == out and (out / "model.safetensors").stat().st_mtime_ns == stamp
+    assert bundle_at(out) is None  # a plain checkpoint: served as it is
+    bad = tmp_path / "bad" / src.name
+    shutil.copytree(src.root, bad)
+    (bad / "heldout_samples.jsonl").write_text("")
+    with pytest.raises(ShippedDrafterError, match="heldout_samples.jsonl has sha256"):
+        bundle_at(bad / "drafter")
+
+
+def test_every_reader_of_perf_drafter_reads_the_bundles_checkpoint(tmp_path, monkeypatch):
+    """The alignment plan reads the served drafter's aux layers from its config: given a bundle folder
+    (which holds no config.json at its top) it reads the written-out checkpoint's, as the server loads it."""
+    from kimi_perf.eagle3.shipped import checkpoint_dir
+    from kimi_perf.profiles import load_profile
+    from kimi_perf.suite.alignment import build_alignment_settings
+    from kimi_perf.suite.models import TargetModel
+
+    monkeypatch.setenv("KIMI_PERF_CACHE", str(tmp_path))
+    path, fp = _target()
+    src, _ = find_shipped(_recipe(), fp)
+    assert src is not None
+    target = TargetModel("smollm2", path, "embedded", fp)
+    section = load_profile(ROOT / "profiles" / "embedded-cpu.json").alignment
+    got = build_alignment_settings(section, target, str(src.root))
+    assert got.aux == (2, 15, 27)
+    assert checkpoint_dir(src.root).is_relative_to(tmp_path)
+    assert checkpoint_dir(tmp_path / "plain") == tmp_path / "plain"
+    with pytest.raises(pytest.UsageError, match="--perf-drafter"):
+        build_alignment_settings(section, target, str(tmp_path / "plain"))

@@ -22,6 +22,14 @@ The bundle carries the held-out samples the pipeline generated (prompt and respo
 is measured on the same held-out prompts as a trained drafter's; their training-style features are
 re-extracted on first use (seconds: 12 samples through transformers) for the stored-features alignment
 test. Re-export after retraining: ``python -m kimi_perf.eagle3.shipped export --profile embedded-cpu``.
+
+The weights are stored xz-compressed (``model.safetensors.xz``; the manifest's ``stored`` names the file
+and its sha256, ``files`` keeps the sha256 of the weights as trained): trained floats compress to ~70%
+(12.6 -> 8.9 MB for the fp32 CPU drafter, ~70% for bf16), and the repository travels whole to every
+leased GPU call, 64 MiB in all with the wheelhouse part it carries. :func:`install` and
+:func:`materialize` write the plain file and check it against ``files``. A drafter built on a leased GPU
+comes back cut into parts (:func:`pack_bundle`, :func:`unpack_bundle`): the lease's disk does not outlive
+it, and a call returns files of at most 16 MiB.
 """
 
 from __future__ import annotations
@@ -39,10 +47,15 @@ from ..models.embedded import cache_root, file_lock, file_sha256
 from ..progress import log
 
 __all__ = ["SHIPPED_ROOT", "ShippedDrafter", "ShippedDrafterError", "compare_with_shipped", "export", "find_shipped",
-           "install", "recipe_key"]
+           "bundle_at", "checkpoint_dir", "install", "materialize", "on_disk", "pack_bundle", "recipe_key", "served_path",
+           "unpack_bundle"]
 
 SHIPPED_ROOT = Path(__file__).resolve().parent / "shipped_drafters"
-FORMAT = "kimi-perf-shipped-drafter/1"
+FORMAT = "kimi-perf-shipped-drafter/2"
+READS = ("kimi-perf-shipped-drafter/1", FORMAT)  # /1: every file stored as trained
+COMPRESSED = ("drafter/model.safetensors",)  # stored as <name>.xz
+PACK_FORMAT = "kimi-perf-drafter-pack/1"
+PACK_NAME = "drafter-bundle"
 DRAFTER_FILES = ("config.json", "model.safetensors", "report.json")
 HELDOUT_FILE = "heldout_samples.jsonl"
 
@@ -67,27 +80,36 @@ def recipe_key(recipe: Any) -> dict[str, str]:
             "features": recipe.features.digest(), "train": recipe.train.digest()}
 
 
+def _read_manifest(m: Path) -> dict[str, Any]:
+    try:
+        d = json.loads(m.read_text())
+    except ValueError as ex:
+        raise ShippedDrafterError(f"{m}: not JSON ({ex}); re-export the bundle") from None
+    if d.get("format") not in READS:
+        raise ShippedDrafterError(f"{m}: format {d.get('format')!r}, expected {FORMAT}; re-export the bundle")
+    return d
+
+
 def _manifests(root: Path) -> list[tuple[Path, dict[str, Any]]]:
-    out = []
-    for m in sorted(root.glob("*/MANIFEST.json")):
-        try:
-            d = json.loads(m.read_text())
-        except ValueError as ex:
-            raise ShippedDrafterError(f"{m}: not JSON ({ex}); re-export the bundle") from None
-        if d.get("format") != FORMAT:
-            raise ShippedDrafterError(f"{m}: format {d.get('format')!r}, expected {FORMAT}; re-export the bundle")
-        out.append((m.parent, d))
-    return out
+    return [(m.parent, _read_manifest(m)) for m in sorted(root.glob("*/MANIFEST.json"))]
+
+
+def on_disk(manifest: dict[str, Any]) -> dict[str, str]:
+    """The bundle's files as stored (a compressed one under its ``.xz`` name) and their sha256."""
+    stored = manifest.get("stored", {})
+    return {(stored[rel]["file"] if rel in stored else rel): (stored[rel]["sha256"] if rel in stored else sha)
+            for rel, sha in manifest.get("files", {}).items()}
 
 
 def verify(bundle: ShippedDrafter) -> None:
-    """Every file of the manifest is there with its sha256, and nothing the drafter needs is missing."""
+    """Every file of the manifest is there with its sha256 as stored, and nothing the drafter needs is
+    missing (a compressed file's content is checked when it is written out: :func:`materialize`)."""
     files = dict(bundle.manifest.get("files", {}))
     need = {*(f"drafter/{f}" for f in DRAFTER_FILES), HELDOUT_FILE}
     if need - set(files):
         raise ShippedDrafterError(f"shipped drafter {bundle.root}: manifest lists no {sorted(need - set(files))}; "
                                   "re-export it (python -m kimi_perf.eagle3.shipped export)")
-    for rel, want in files.items():
+    for rel, want in on_disk(bundle.manifest).items():
         p = bundle.root / rel
         if not p.is_file():
             raise ShippedDrafterError(f"shipped drafter {bundle.root}: {rel} is missing (a partial checkout? a Git "
@@ -97,6 +119,61 @@ def verify(bundle: ShippedDrafter) -> None:
             raise ShippedDrafterError(f"shipped drafter {bundle.root}: {rel} has sha256 {got[:16]}..., its manifest "
                                       f"says {want[:16]}...: the file is not the one the recipe built. Restore it "
                                       "(git checkout), re-export it, or pass --perf-train-drafter")
+
+
+def materialize(bundle: ShippedDrafter, out: Path) -> Path:
+    """Write the bundle's drafter (config, weights, report) into ``out`` as the engines read it, each file
+    checked against the sha256 the recipe's build gave it. Returns ``out``."""
+    import lzma
+
+    files, stored = bundle.manifest["files"], bundle.manifest.get("stored", {})
+    out.mkdir(parents=True, exist_ok=True)
+    for f in DRAFTER_FILES:
+        rel = f"drafter/{f}"
+        tmp = out / f".{f}.tmp"
+        if rel in stored:
+            with lzma.open(bundle.root / stored[rel]["file"]) as src, tmp.open("wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 22)
+        else:
+            shutil.copyfile(bundle.root / rel, tmp)
+        got = file_sha256(tmp)
+        if got != files[rel]:
+            tmp.unlink()
+            raise ShippedDrafterError(f"shipped drafter {bundle.root}: {rel} unpacks to sha256 {got[:16]}..., its "
+                                      f"manifest says {files[rel][:16]}...: re-export the bundle")
+        tmp.replace(out / f)
+    return out
+
+
+def bundle_at(path: Path) -> ShippedDrafter | None:
+    """The verified bundle at ``path`` (its folder, or the ``drafter`` folder inside it), None when
+    ``path`` is not a bundle: ``--perf-drafter`` takes either a checkpoint or a shipped bundle."""
+    path = Path(path)
+    root = path.parent if path.name == "drafter" and (path.parent / "MANIFEST.json").is_file() else path
+    if not (root / "MANIFEST.json").is_file():
+        return None
+    b = ShippedDrafter(root, _read_manifest(root / "MANIFEST.json"))
+    verify(b)
+    return b
+
+
+def served_path(bundle: ShippedDrafter, root: Path | None = None) -> Path:
+    """The bundle's drafter written out once under the cache (``<cache>/eagle3/bundles/<name>/drafter``),
+    where an engine can load it: the weights ship compressed."""
+    out = (root or cache_root()) / "eagle3" / "bundles" / bundle.name / "drafter"
+    with file_lock(out.parent.parent / ".bundles.lock", what="writing out a shipped EAGLE-3 drafter"):
+        if not (out / "COMPLETE").is_file():
+            materialize(bundle, out)
+            (out / "COMPLETE").write_text("shipped\n")
+    return out
+
+
+def checkpoint_dir(path: str | Path) -> Path:
+    """Where to load the drafter ``--perf-drafter`` names: a checkpoint folder as it is, a shipped bundle
+    (its folder or its ``drafter`` folder) written out by :func:`served_path`. Every reader of the
+    option resolves it here, so the server and the alignment plan read the same checkpoint."""
+    bundle = bundle_at(Path(path))
+    return Path(path) if bundle is None else served_path(bundle)
 
 
 def find_shipped(recipe: Any, target_fingerprint: str, root: Path = SHIPPED_ROOT) -> tuple[ShippedDrafter | None, str]:
@@ -128,9 +205,7 @@ def install(bundle: ShippedDrafter, recipe: Any, target_dir: Path, target_finger
     feat_dir = base / f"features-{recipe.features.digest()}"
     with file_lock(base.parent / ".pipeline.lock", what="installing the shipped EAGLE-3 drafter"):
         if not (out / "COMPLETE").is_file():
-            out.mkdir(parents=True, exist_ok=True)
-            for f in DRAFTER_FILES:
-                shutil.copyfile(bundle.root / "drafter" / f, out / f)
+            materialize(bundle, out)
             shutil.copyfile(bundle.root / HELDOUT_FILE, samples_path)
             (out / "COMPLETE").write_text("shipped\n")
         report = json.loads((out / "report.json").read_text())
@@ -163,9 +238,20 @@ def compare_with_shipped(bundle: ShippedDrafter, drafter_dir: Path) -> dict[str,
     return out
 
 
+def _xz(src: Path, dst: Path, preset: int = 6) -> str:
+    """Compress ``src`` into ``dst`` -> its sha256. xz's default preset 6: on the fp32 CPU drafter 8.85 MB
+    in 8.6 s on the 2-core box, preset 0 9.21 MB in 1.3 s, 9 no smaller than 6; paid once per export."""
+    import lzma
+
+    with src.open("rb") as f, lzma.open(dst, "wb", preset=preset) as z:
+        shutil.copyfileobj(f, z, 1 << 22)
+    return file_sha256(dst)
+
+
 def export(drafter_dir: Path, samples_path: Path, recipe: Any, target_fingerprint: str, *,
-           out_root: Path = SHIPPED_ROOT, commit: str | None = None) -> Path:
-    """Write a bundle from a drafter the pipeline built (its report must name ``recipe``)."""
+           out_root: Path = SHIPPED_ROOT, commit: str | None = None, preset: int = 6) -> Path:
+    """Write a bundle from a drafter the pipeline built (its report must name ``recipe``); ``preset``:
+    the weights' xz preset (tests pass 0)."""
     from .data import read_samples
     from .pipeline import _jsonable
 
@@ -204,9 +290,13 @@ def export(drafter_dir: Path, samples_path: Path, recipe: Any, target_fingerprin
         for s in sorted(samples, key=lambda s: s.id):
             f.write(json.dumps(asdict(s), sort_keys=True) + "\n")
     files = {rel: file_sha256(tmp / rel) for rel in (*(f"drafter/{f}" for f in DRAFTER_FILES), HELDOUT_FILE)}
+    stored = {}
+    for rel in COMPRESSED:
+        stored[rel] = {"file": f"{rel}.xz", "sha256": _xz(tmp / rel, tmp / f"{rel}.xz", preset)}
+        (tmp / rel).unlink()
     atomic_write_json(tmp / "MANIFEST.json", {
         "format": FORMAT, "target_fingerprint": target_fingerprint, "recipe_key": key, "recipe": _jsonable(recipe),
-        "files": files,
+        "files": files, "stored": stored,
         "built": {"created": report.get("created"), "exported_at_commit": commit,
                   "train": {k: report.get("train", {}).get(k) for k in ("steps", "tokens", "seconds", "final_step_acc")},
                   "data": {k: report.get("data", {}).get(k) for k in ("samples", "train", "heldout", "train_tokens",
@@ -214,6 +304,86 @@ def export(drafter_dir: Path, samples_path: Path, recipe: Any, target_fingerprin
     })
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
+    return dest
+
+
+def pack_bundle(bundle_dir: Path, out_dir: Path, *, part_mib: float = 12.0) -> dict[str, Any]:
+    """One verified bundle as a deterministic tar in parts of at most ``part_mib`` MiB, plus
+    ``drafter-bundle.json`` (the parts' sizes and sha256, the whole tar's sha256, the manifest).
+
+    Why: a GPU drafter is built on a leased machine whose disk is gone when the lease ends, and a lease
+    returns files of at most 16 MiB each (8 files, 64 MiB a call). The bf16 drafter of ``h200-embedded``
+    is 19.7 MB, so it comes back cut; :func:`unpack_bundle` puts it back together here and refuses a
+    part that is missing, damaged or from another build."""
+    from ..wheelhouse.parts import pack_parts
+
+    bundle_dir, out_dir = Path(bundle_dir), Path(out_dir)
+    manifest = json.loads((bundle_dir / "MANIFEST.json").read_text())
+    b = ShippedDrafter(bundle_dir, manifest)
+    verify(b)
+    files = [(f"{b.name}/{rel}", bundle_dir / rel) for rel in (*on_disk(manifest), "MANIFEST.json")]
+    res = pack_parts(files, out_dir, PACK_NAME, int(part_mib * (1 << 20)))
+    index = {"format": PACK_FORMAT, "bundle": b.name, "tar_size": res.tar_size, "tar_sha256": res.tar_sha256,
+             "parts": [asdict(p) for p in res.parts], "manifest": manifest}
+    atomic_write_json(out_dir / f"{PACK_NAME}.json", index)
+    return index
+
+
+def unpack_bundle(parts_dir: Path, root: Path = SHIPPED_ROOT) -> Path:
+    """Reassemble a :func:`pack_bundle` output into ``root``, check every part, the tar and the bundle's
+    own manifest, and only then put it in place (a bundle of the same name is replaced: the same recipe
+    rebuilt, which on a GPU is not bit-reproducible). Returns the bundle's folder."""
+    import hashlib
+    import io
+    import tarfile
+
+    parts_dir, root = Path(parts_dir), Path(root)
+    ix_path = parts_dir / f"{PACK_NAME}.json"
+    if not ix_path.is_file():
+        raise ShippedDrafterError(f"{parts_dir}: no {PACK_NAME}.json (the lease's collect did not bring the "
+                                  "pack back; collect the folder the build job packed into)")
+    ix = json.loads(ix_path.read_text())
+    if ix.get("format") != PACK_FORMAT:
+        raise ShippedDrafterError(f"{ix_path}: format {ix.get('format')!r}, expected {PACK_FORMAT}")
+    buf = io.BytesIO()
+    bad = []
+    for p in ix["parts"]:
+        f = parts_dir / p["file"]
+        if not f.is_file():
+            bad.append(f"{p['file']} missing")
+            continue
+        data = f.read_bytes()
+        if len(data) != p["size"] or hashlib.sha256(data).hexdigest() != p["sha256"]:
+            bad.append(f"{p['file']} damaged ({len(data)} bytes, expected {p['size']})")
+            continue
+        buf.write(data)
+    if bad:
+        raise ShippedDrafterError(f"{parts_dir}: {'; '.join(bad)}: collect the parts of this build again")
+    if hashlib.sha256(buf.getvalue()).hexdigest() != ix["tar_sha256"]:
+        raise ShippedDrafterError(f"{parts_dir}: the reassembled tar's sha256 is not the index's: the parts "
+                                  "come from different builds")
+    name = ix["bundle"]
+    tmp = root / f".{name}.unpack"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    buf.seek(0)
+    with tarfile.open(fileobj=buf, mode="r:") as tar:
+        for m in tar.getmembers():
+            # members written by pack_bundle only: plain files under the bundle's own folder
+            if not m.isfile() or not m.name.startswith(f"{name}/") or ".." in Path(m.name).parts:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise ShippedDrafterError(f"{parts_dir}: tar member {m.name!r} is not a file of bundle {name}")
+        tar.extractall(tmp, filter="data")
+    got = tmp / name
+    try:
+        verify(ShippedDrafter(got, json.loads((got / "MANIFEST.json").read_text())))
+    except ShippedDrafterError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    dest = root / name
+    shutil.rmtree(dest, ignore_errors=True)
+    got.rename(dest)
+    shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
@@ -242,17 +412,35 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m kimi_perf.eagle3.shipped", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    ex = sub.add_parser("export", help="bundle a drafter the pipeline built for a profile's recipe")
-    ex.add_argument("--profile", default="embedded-cpu")
-    ex.add_argument("--drafter-dir", type=Path, default=None,
-                    help="the pipeline's drafter directory (default: where build_drafter caches this recipe)")
-    ex.add_argument("--row", default=None, metavar="ROW",
-                    help="export the drafter of this extraction-matrix row (e.g. reference: the recipe with the "
-                         "row's feature path), which the reduced matrix then serves instead of training")
-    ck = sub.add_parser("check", help="say whether a shipped drafter applies to a profile's recipe on this target")
-    ck.add_argument("--profile", default="embedded-cpu")
-    ck.add_argument("--row", default=None, metavar="ROW", help="check the bundle of this extraction-matrix row")
+    # export, check and pack name a profile's recipe (or one matrix row of it) the same way
+    which = argparse.ArgumentParser(add_help=False)
+    which.add_argument("--profile", default="embedded-cpu")
+    which.add_argument("--row", default=None, metavar="ROW",
+                       help="the drafter of this extraction-matrix row (e.g. reference: the recipe with the row's "
+                            "feature path), which the reduced matrix serves instead of training")
+    built = argparse.ArgumentParser(add_help=False)
+    built.add_argument("--drafter-dir", type=Path, default=None,
+                       help="the pipeline's drafter directory (default: where build_drafter caches this recipe)")
+    sub.add_parser("export", parents=[which, built], help="bundle a drafter the pipeline built for a profile's recipe")
+    sub.add_parser("check", parents=[which],
+                   help="say whether a shipped drafter applies to a profile's recipe on this target")
+    pk = sub.add_parser("pack", parents=[which, built],
+                        help="export a profile's drafter as a bundle cut into parts a lease can return")
+    pk.add_argument("--out", type=Path, required=True, help="folder for the parts and drafter-bundle.json")
+    pk.add_argument("--part-mib", type=float, default=12.0,
+                    help="largest part in MiB (default 12: a lease returns files of at most 16 MiB)")
+    up = sub.add_parser("unpack", help="reassemble and verify a packed bundle and put it where the suite finds it")
+    up.add_argument("parts_dir", type=Path, help="the folder pack wrote (drafter-bundle.json and its parts)")
+    up.add_argument("--into", type=Path, default=SHIPPED_ROOT, help=f"bundle root (default {SHIPPED_ROOT})")
     a = ap.parse_args(argv)
+    if a.cmd == "unpack":
+        try:
+            dest = unpack_bundle(a.parts_dir, a.into)
+        except ShippedDrafterError as e:
+            print(f"error: {e}")
+            return 1
+        print(f"unpacked {dest} ({sum(f.stat().st_size for f in dest.rglob('*') if f.is_file()) / 1e6:.1f} MB)")
+        return 0
     prof, recipe = _profile_recipe(a.profile)
     if (prof.get("model") or {}).get("source") != "embedded":
         raise SystemExit(f"profile {a.profile}: only the embedded model ships a drafter")
@@ -277,6 +465,14 @@ def main(argv: list[str] | None = None) -> int:
     data_dir, _, work = cache_dirs(recipe, fp)
     d = a.drafter_dir or work / "drafter"
     samples = d.parent.parent.parent / "samples.jsonl" if a.drafter_dir else data_dir / "samples.jsonl"
+    if a.cmd == "pack":
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="kimi-perf-bundle-") as tmp:
+            dest = export(d, samples, recipe, fp, out_root=Path(tmp), commit=commit_info().get("id"))
+            ix = pack_bundle(dest, a.out, part_mib=a.part_mib)
+        print(f"packed {ix['bundle']} into {len(ix['parts'])} parts under {a.out} ({ix['tar_size'] / 1e6:.1f} MB)")
+        return 0
     dest = export(d, samples, recipe, fp, commit=commit_info().get("id"))
     print(f"exported {dest} ({sum(f.stat().st_size for f in dest.rglob('*') if f.is_file()) / 1e6:.1f} MB)")
     return 0

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -70,10 +69,12 @@ def build_alignment_settings(a: AlignmentSection, target: TargetModel, drafter_p
     if drafter_path:
         # the layers the served drafter consumes are the ones worth checking (the CPU recipe's are the
         # default; a drafter trained on others names them in its kimi_perf block)
+        from kimi_perf.eagle3.shipped import ShippedDrafterError, checkpoint_dir
+
         try:
-            dc = json.loads((Path(drafter_path) / "config.json").read_text())
+            dc = json.loads((checkpoint_dir(drafter_path) / "config.json").read_text())
             eagle = drafter_aux_layers(dc, n)
-        except (OSError, ValueError) as ex:
+        except (OSError, ValueError, ShippedDrafterError) as ex:
             raise pytest.UsageError(f"--perf-drafter {drafter_path}: {ex}") from None
     served = sorted({k + d for k in eagle for d in (-1, 0, 1)} | {n - 1, n})
     return AlignmentSettings(

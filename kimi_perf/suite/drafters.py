@@ -7,8 +7,8 @@ built it on this target (kimi_perf.eagle3.shipped: a fresh machine need not spen
 retraining it); otherwise, or with ``--perf-train-drafter`` (CI), it builds the recipe through the cached
 pipeline (regenerate -> vocab -> features -> train -> export), keyed by (target fingerprint, data config,
 feature spec, train config), so a second session reuses it and a changed recipe retrains only what changed.
-``--perf-drafter PATH`` serves an existing checkpoint instead (its held-out prompts then come from the
-stable MT-bench split).
+``--perf-drafter PATH`` serves an existing checkpoint, or a shipped bundle's folder, instead (its held-out
+prompts then come from the stable MT-bench split).
 
 Why the A/B lives here (``eagle3_runs``) and not in one test module: an SGLang launch costs ~1.5 min and
 a vLLM one ~3 min on the H200, so the servers the A/B starts are also what the alignment tests read
@@ -96,7 +96,14 @@ def session_drafter(s: Eagle3Settings, target: TargetModel, pool: ServerPool) ->
     steps, n_eval = e.steps, e.eval.prompts
     tok = AutoTokenizer.from_pretrained(str(target.path))
     if s.drafter_path:
-        p = Path(s.drafter_path)
+        from kimi_perf.eagle3.shipped import ShippedDrafterError, checkpoint_dir
+
+        try:  # a shipped bundle (its weights stored compressed) is written out once and served from there
+            p = checkpoint_dir(s.drafter_path)
+        except ShippedDrafterError as ex:
+            raise pytest.UsageError(f"--perf-drafter {s.drafter_path}: {ex}") from None
+        if p != Path(s.drafter_path):
+            log(f"drafter: serving the shipped bundle {s.drafter_path}, written out into {p}")
         cfg = p / "config.json"
         if not cfg.is_file() or "LlamaForCausalLMEagle3" not in json.loads(cfg.read_text()).get("architectures", []):
             raise pytest.UsageError(f"--perf-drafter {p}: not an EAGLE-3 checkpoint (config.json with "
