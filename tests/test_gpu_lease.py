@@ -81,3 +81,19 @@ def test_carry_advice_drops_carry_once_the_tree_and_a_part_fill_the_call(tmp_pat
     (tmp_path / "more.bin").write_bytes(b"\0" * (10 << 20))  # untracked, not ignored: it travels too
     r = _sh("carry_advice", tmp_path)
     assert r.returncode == 1 and "over 64 MiB even without .carry" in r.stderr, (r.stdout, r.stderr)
+
+
+def test_part_size_leaves_room_for_the_tree_a_call_carries(tmp_path):
+    """Wheelhouse parts are cut once and staged one a call beside the whole tree (64 MiB in all): the
+    size prepare cuts follows the tree, at most the 28 MiB that ran so far, and refuses below 4 MiB."""
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / ".gitignore").write_text(".whl/\n")
+    (tmp_path / ".whl").mkdir()
+    (tmp_path / ".whl" / "old-part").write_bytes(b"\0" * (28 << 20))  # ignored: not the tree
+    (tmp_path / "tree.bin").write_bytes(b"\0" * (28 << 20))
+    assert _sh("part_size", tmp_path).stdout.strip() == "28M"
+    (tmp_path / "bundle.xz").write_bytes(b"\0" * (14 << 20))  # a GPU drafter ships: 42 MiB and .gitignore
+    assert _sh("part_size", tmp_path).stdout.strip() == "19M"
+    (tmp_path / "more.bin").write_bytes(b"\0" * (18 << 20))  # 60 MiB
+    r = _sh("part_size", tmp_path)
+    assert r.returncode == 1 and "the tree is 60 MiB" in r.stderr, (r.stdout, r.stderr)
