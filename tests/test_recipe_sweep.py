@@ -31,4 +31,27 @@ def test_the_table_shows_the_last_epoch_and_the_best_one():
                      "train_samples": 160, "heldout_samples": 12}]}
     text = markdown(doc)
     assert "CPU X, no GPU; 160 training and 12 held-out samples" in text
-    assert "| recipe as profiled | 10 | 12 | 0.600 / 0.400 / 0.300 | 0.220 / 0.150 / - | 1 (0.250) | 76.8% |" in text
+    # a row cached before the chain walk: no prediction to show
+    assert "| recipe as profiled | 10 | 12 | 0.600 / 0.400 / 0.300 | 0.220 / 0.150 / - | - | 1 (-) | 76.8% |" in text
+
+
+def test_epochs_rank_by_the_accept_length_the_chain_walk_predicts():
+    """Top-1 at draft position 0 and the predicted accept length can disagree (a later epoch that drafts
+    the easy runs better): the chain's prediction is what serving measures, so it ranks; a curve scored
+    before the walk existed still ranks by top-1."""
+    from kimi_perf.eagle3.sweep import _rank
+
+    def point(epoch, top1, chain=None):
+        p = {"epoch": epoch, "step": epoch * 5, "acc": [top1] * 3, "all_acc": [top1] * 3, "positions": 99}
+        if chain is not None:
+            p["chain"] = {"steps": 3, "verify_steps": 70, "accept_length": chain, "per_position": [chain - 1, 0, 0]}
+        return p
+
+    curve = [point(1, 0.25, 1.20), point(2, 0.22, 1.30)]
+    assert max(curve, key=_rank)["epoch"] == 2
+    assert max([point(1, 0.25), point(2, 0.22)], key=_rank)["epoch"] == 1
+    doc = {"profile": "p", "machine": {"cpu": "CPU X", "gpus": []},
+           "rows": [{"variant": "v", "steps": 10, "seconds": 1.0, "train_final_step_acc": [0.6, 0.4, 0.3],
+                     "heldout_by_epoch": curve, "best_epoch": 2, "heldout_coverage": 0.5,
+                     "train_samples": 160, "heldout_samples": 12}]}
+    assert "| 1.300 (0.300 / 0.000 / 0.000) | 2 (1.300 (0.300 / 0.000 / 0.000)) |" in markdown(doc)

@@ -279,6 +279,11 @@ def test_held_out_scoring_per_epoch_leaves_training_unchanged(tiny_model, tmp_pa
     for point in r_scored.heldout_by_epoch:
         for acc, all_acc in zip(point["acc"], point["all_acc"]):
             assert all_acc <= acc or acc != acc  # NaN when no position of that step was draftable
+        # the chain walk of the held-out samples: 2 drafts a step here (ttt_steps 2, under CHAIN_STEPS 3)
+        ch = point["chain"]
+        assert ch["steps"] == 2 and ch["verify_steps"] >= sum(len(s.response_ids) for s in samples[12:]) / 3
+        assert ch["accept_length"] == pytest.approx(1 + sum(ch["per_position"]))
+        assert ch["per_position"][0] >= ch["per_position"][1]
     for k, v in m_plain.state_dict().items():
         torch.testing.assert_close(m_scored.state_dict()[k], v, rtol=0, atol=0, msg=k)
 

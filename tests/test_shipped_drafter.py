@@ -341,3 +341,23 @@ def test_every_reader_of_perf_drafter_reads_the_bundles_checkpoint(tmp_path, mon
     assert checkpoint_dir(tmp_path / "plain") == tmp_path / "plain"
     with pytest.raises(pytest.UsageError, match="--perf-drafter"):
         build_alignment_settings(section, target, str(tmp_path / "plain"))
+
+
+def test_score_predicts_the_served_chain_from_the_held_out_rows(tmp_path, monkeypatch, capsys):
+    """``shipped score``: teacher-forced top-1 per draft step and the chain walk's accept length on the
+    bundle's held-out samples, without an engine. Measured on the 2-core box: predicted 1.296
+    (0.218 / 0.060 / 0.018) where the reference engine served 1.283 (0.220 / 0.048 / 0.015)."""
+    from kimi_perf.eagle3.shipped import main
+
+    monkeypatch.setenv("KIMI_PERF_CACHE", str(tmp_path / "cache"))
+    assert main(["score", "--json", str(tmp_path / "s.json")]) == 0
+    assert "a 3-draft chain accepts" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "s.json").read_text())
+    ev = doc["scores"]["mtbench"]
+    ch = ev["chain"]
+    assert ev["samples"] == _recipe().data.max_heldout_items and ch["steps"] == 3
+    assert ch["accept_length"] == pytest.approx(1 + sum(ch["per_position"]))
+    assert ch["per_position"] == sorted(ch["per_position"], reverse=True)
+    # every verify step consumes 1 + accepted response tokens: the steps and the positions agree
+    assert ch["verify_steps"] * ch["accept_length"] == pytest.approx(ev["positions"], rel=0.05)
+    assert 1.15 < ch["accept_length"] < 1.45, ch

@@ -387,6 +387,26 @@ def unpack_bundle(parts_dir: Path, root: Path = SHIPPED_ROOT) -> Path:
     return dest
 
 
+def _score(recipe: Any, target_dir: Path, fp: str, json_out: Path | None) -> int:
+    from .pipeline import score_heldout
+
+    b, why = find_shipped(recipe, fp)
+    if b is None:
+        print(f"error: {why}")
+        return 1
+    scores = score_heldout(install(b, recipe, target_dir, fp), recipe, target_dir)
+    for src, ev in scores.items():
+        ch = ev["chain"]
+        print(f"{src}: {ev['samples']} samples, {ev['positions']} positions; top-1 per draft step "
+              f"{' / '.join(f'{x:.3f}' for x in ev['acc'])} where draftable, "
+              f"{' / '.join(f'{x:.3f}' for x in ev['all_acc'])} over all; a {ch['steps']}-draft chain accepts "
+              f"{ch['accept_length']:.3f} ({' / '.join(f'{x:.3f}' for x in ch['per_position'])}, "
+              f"{ch['verify_steps']} verify steps)")
+    if json_out:
+        atomic_write_json(json_out, {"bundle": b.name, "scores": scores})
+    return 0
+
+
 def _profile_recipe(name: str) -> tuple[dict[str, Any], Any]:
     """The profile's JSON and its drafter recipe. Read as plain JSON on purpose: kimi_perf.profiles is
     gate configuration, which the drafter pipeline does not import (the recipe is validated by
@@ -424,6 +444,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("export", parents=[which, built], help="bundle a drafter the pipeline built for a profile's recipe")
     sub.add_parser("check", parents=[which],
                    help="say whether a shipped drafter applies to a profile's recipe on this target")
+    sc = sub.add_parser("score", parents=[which],
+                        help="a shipped drafter's teacher-forced held-out scores and the accept length its chain "
+                             "walk predicts, by source, without an engine")
+    sc.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the scores here")
     pk = sub.add_parser("pack", parents=[which, built],
                         help="export a profile's drafter as a bundle cut into parts a lease can return")
     pk.add_argument("--out", type=Path, required=True, help="folder for the parts and drafter-bundle.json")
@@ -452,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
         from .matrix import parse_row
 
         recipe = replace(recipe, features=parse_row(a.row).features_of(recipe.features))
+    if a.cmd == "score":
+        return _score(recipe, model.path, fp, a.json)
     if a.cmd == "check":
         try:
             b, why = find_shipped(recipe, fp)

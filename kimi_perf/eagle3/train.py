@@ -14,6 +14,14 @@ trainer scores them after each epoch (teacher-forced, no gradient: seconds) and 
 curve. ``all_acc`` counts every assistant position, a target token outside the draft vocabulary as a
 miss; ``acc`` only the positions it can draft, like the training log.
 
+Why also a chain walk (``chain``): per-position top-1 is not what serving measures. A served verify
+step drafts a chain from where the last one stopped, so a run of easy tokens is consumed in one step
+and the steps gather at the hard positions; and a draft at position k counts only when drafts 0..k-1
+were accepted too. :func:`chain_walk` replays that on the held-out hits: from the first response token,
+accept the leading hits of the ``CHAIN_STEPS`` drafts, move on by accepted + 1 (the target's own token),
+repeat. Its accept length is the served one's prediction from features alone, which the recipe sweep
+can compare without a server.
+
 Targets: the target's distribution at each position restricted to the draft vocabulary, computed
 from the stored post-norm final hidden and the target's lm_head rows (``t2d``); positions whose
 predicted token is not an assistant token, or whose target argmax is outside the draft vocabulary,
@@ -128,22 +136,56 @@ def _collate(samples: list[FeatureSample], t2d: torch.Tensor, lm_rows: torch.Ten
     return aux.to(device), ids.to(device), logits, valid.to(device)
 
 
+CHAIN_STEPS = 3  # draft tokens per verify step in every profile's eagle3.steps, and EAGLE-3's usual chain
+
+
+def chain_walk(hits: list[list[bool]], loss_mask: list[bool], steps: int = CHAIN_STEPS) -> list[int]:
+    """Drafts accepted at each verify step of a served greedy chain, replayed on one sample's
+    teacher-forced hits (``hits[k][t]``: TTT step k at anchor t matched the target's choice for token
+    t + 2 + k; ``loss_mask[p]``: token p is a response token). Each response span starts where the
+    prefill left it, at anchor first - 1 (its hidden state and first token draft token first + 1)."""
+    n = len(loss_mask)
+    out: list[int] = []
+    p = 0
+    while p < n:
+        if not loss_mask[p]:
+            p += 1
+            continue
+        first = p
+        while p < n and loss_mask[p]:
+            p += 1
+        last = p - 1  # the span's last response token
+        t = first - 1
+        while t + 2 <= last:
+            a = 0
+            while a < steps and a < len(hits) and t + 2 + a <= last and hits[a][t]:
+                a += 1
+            out.append(a)
+            t += 1 + a
+    return out
+
+
 @torch.no_grad()
 def evaluate_heldout(model: Eagle3Drafter, samples: FeatureLoader, t2d: torch.Tensor,
                      lm_rows: torch.Tensor, cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     """Teacher-forced top-1 per drafting step on ``samples`` (see the module doc): ``acc`` over the
-    positions whose target token is in the draft vocabulary, ``all_acc`` over every assistant position."""
+    positions whose target token is in the draft vocabulary, ``all_acc`` over every assistant position,
+    ``chain`` the :func:`chain_walk` of :data:`CHAIN_STEPS` drafts (accept length, per-position rates)."""
     was_training = model.training
     model.eval()
     hits = [0.0] * cfg.ttt_steps
     drafted = [0] * cfg.ttt_steps
     assistant = [0] * cfg.ttt_steps
+    walked: list[int] = []
     lengths = {i: min(n, cfg.max_seq_len) for i, n in samples.lengths.items()}
     for batch_ids in _batches(lengths, cfg.batch_tokens, random.Random(0)):
         batch = samples.batch(batch_ids, cfg.max_seq_len)
         aux, ids, tlogits, valid = _collate(batch, t2d, lm_rows, device, torch.float32)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            out = model.ttt(aux, ids, tlogits, valid, cfg.ttt_steps)
+            out = model.ttt(aux, ids, tlogits, valid, cfg.ttt_steps, keep_hits=True)
+        rows = [h.cpu() for h in out.step_hits]
+        for i, s in enumerate(batch):
+            walked += chain_walk([r[i].tolist() for r in rows], s.loss_mask.tolist())
         for k, (a, n) in enumerate(zip(out.step_acc, out.step_count)):
             if n:
                 hits[k] += a * n
@@ -153,9 +195,13 @@ def evaluate_heldout(model: Eagle3Drafter, samples: FeatureLoader, t2d: torch.Te
             assistant[k] += sum(int(s.loss_mask[1 + k:].sum()) for s in batch)
     if was_training:
         model.train()
+    k = min(CHAIN_STEPS, cfg.ttt_steps)
+    chain = {"steps": k, "verify_steps": len(walked),
+             "accept_length": 1 + sum(walked) / len(walked) if walked else float("nan"),
+             "per_position": [sum(a > j for a in walked) / len(walked) if walked else float("nan") for j in range(k)]}
     return {"acc": [h / n if n else float("nan") for h, n in zip(hits, drafted)],
             "all_acc": [h / n if n else float("nan") for h, n in zip(hits, assistant)],
-            "positions": assistant[0]}
+            "positions": assistant[0], "chain": chain}
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
@@ -291,7 +337,9 @@ def train_drafter(
             curve.append({"epoch": epoch + 1, "step": step, **ev})
             log(f"drafter training: epoch {epoch + 1} held-out ({len(heldout.lengths)} samples) top-1/step "
                 f"[{' '.join(f'{a:.2f}' for a in ev['acc'])}], over all assistant tokens "
-                f"[{' '.join(f'{a:.2f}' for a in ev['all_acc'])}]")
+                f"[{' '.join(f'{a:.2f}' for a in ev['all_acc'])}]; as a {ev['chain']['steps']}-draft chain: accept "
+                f"length {ev['chain']['accept_length']:.3f} (per position "
+                f"{' / '.join(f'{a:.3f}' for a in ev['chain']['per_position'])}, {ev['chain']['verify_steps']} steps)")
         if step % cfg.checkpoint_every == 0 or step == total_steps:
             save()
         if stop_after_steps is not None and step - resumed >= stop_after_steps:

@@ -213,6 +213,8 @@ class TTTOutput:
     step_loss: list[float]
     step_acc: list[float]  # top-1 agreement with the target's argmax, per unrolled step
     step_count: list[int]  # valid positions per step
+    # with keep_hits: per step, [B, T] bool, anchor t's draft matched the target's argmax (and was valid)
+    step_hits: tuple[torch.Tensor, ...] = ()
 
 
 _ROPE_CACHE: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -291,8 +293,10 @@ class Eagle3Drafter(nn.Module):
         target_valid: torch.Tensor,  # [B, T] bool: position p's target is trainable (assistant token, in vocab)
         steps: int,
         step_weight: float = 0.8,
+        keep_hits: bool = False,
     ) -> TTTOutput:
-        """Training-time test: unroll ``steps`` drafting steps and return the weighted soft-CE loss."""
+        """Training-time test: unroll ``steps`` drafting steps and return the weighted soft-CE loss
+        (``keep_hits``: also each step's per-anchor hits, for the held-out chain walk)."""
         c = self.cfg
         bsz, t_len, _ = aux.shape
         dev = aux.device
@@ -304,7 +308,7 @@ class Eagle3Drafter(nn.Module):
         keys: list[torch.Tensor] = []
         vals: list[torch.Tensor] = []
         total = aux.new_zeros(())
-        losses, accs, counts = [], [], []
+        losses, accs, counts, hits = [], [], [], []
         for k in range(steps):
             # anchor t at step k: token x_{t+1+k}, target = distribution at position t+1+k
             shift = 1 + k
@@ -344,15 +348,19 @@ class Eagle3Drafter(nn.Module):
                 pt = torch.softmax(tgt[valid].float(), dim=-1)
                 loss_k = -(pt * logp).sum(-1).mean()
                 acc = (logits[valid].argmax(-1) == tgt[valid].argmax(-1)).float().mean()
+                if keep_hits:
+                    hits.append((logits.argmax(-1) == tgt.argmax(-1)) & valid)
                 total = total + (step_weight ** k) * loss_k
                 losses.append(float(loss_k.detach()))
                 accs.append(float(acc))
             else:
                 losses.append(float("nan"))
                 accs.append(float("nan"))
+                if keep_hits:
+                    hits.append(torch.zeros_like(valid))
             counts.append(n)
             h = prenorm
-        return TTTOutput(loss=total, step_loss=losses, step_acc=accs, step_count=counts)
+        return TTTOutput(loss=total, step_loss=losses, step_acc=accs, step_count=counts, step_hits=tuple(hits))
 
 
 def save_drafter(model: Eagle3Drafter, out_dir: Path, *, aux_ids_for: str | None = None,
