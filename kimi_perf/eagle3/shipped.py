@@ -318,7 +318,7 @@ def pack_bundle(bundle_dir: Path, out_dir: Path, *, part_mib: float = 12.0) -> d
     from ..wheelhouse.parts import pack_parts
 
     bundle_dir, out_dir = Path(bundle_dir), Path(out_dir)
-    manifest = json.loads((bundle_dir / "MANIFEST.json").read_text())
+    manifest = _read_manifest(bundle_dir / "MANIFEST.json")
     b = ShippedDrafter(bundle_dir, manifest)
     verify(b)
     files = [(f"{b.name}/{rel}", bundle_dir / rel) for rel in (*on_disk(manifest), "MANIFEST.json")]
@@ -376,10 +376,10 @@ def unpack_bundle(parts_dir: Path, root: Path = SHIPPED_ROOT) -> Path:
         tar.extractall(tmp, filter="data")
     got = tmp / name
     try:
-        verify(ShippedDrafter(got, json.loads((got / "MANIFEST.json").read_text())))
-    except ShippedDrafterError:
+        verify(ShippedDrafter(got, _read_manifest(got / "MANIFEST.json")))
+    except (ShippedDrafterError, OSError) as ex:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        raise ShippedDrafterError(f"{parts_dir}: the unpacked bundle {name} is not served: {ex}") from None
     dest = root / name
     shutil.rmtree(dest, ignore_errors=True)
     got.rename(dest)
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m kimi_perf.eagle3.shipped", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    # export, check and pack name a profile's recipe (or one matrix row of it) the same way
+    # export, check, score and pack name a profile's recipe (or one matrix row of it) the same way
     which = argparse.ArgumentParser(add_help=False)
     which.add_argument("--profile", default="embedded-cpu")
     which.add_argument("--row", default=None, metavar="ROW",

@@ -143,7 +143,8 @@ def chain_walk(hits: list[list[bool]], loss_mask: list[bool], steps: int = CHAIN
     """Drafts accepted at each verify step of a served greedy chain, replayed on one sample's
     teacher-forced hits (``hits[k][t]``: TTT step k at anchor t matched the target's choice for token
     t + 2 + k; ``loss_mask[p]``: token p is a response token). Each response span starts where the
-    prefill left it, at anchor first - 1 (its hidden state and first token draft token first + 1)."""
+    prefill leaves it: at anchor first - 1, whose hidden state and the first response token draft token
+    first + 1."""
     n = len(loss_mask)
     out: list[int] = []
     p = 0
