@@ -17,8 +17,8 @@
 # (`--perf-ab same`, then each of the engine's variants) and skips those already done, so a call that
 # ends mid-way loses nothing; a machine given back loses /tmp (parts and installs): stage again.
 # TASK=generate runs the drafter recipe's data stage instead of the A/Bs (ENGINE=sglang; once here
-# `prepare-data`, and `stage sharegpt 0` and `sharegpt 1` in calls of their own besides the wheelhouse parts): the samples
-# of earlier leases (packs under .carry/samples/, from `merge`) are unpacked first, then
+# `prepare-data`, and `stage sharegpt 0` and `sharegpt 1` in calls of their own besides the wheelhouse
+# parts): the samples of earlier leases (packs under .carry/samples/, from `merge`) are unpacked first, then
 # `python -m kimi_perf.eagle3.generate --profile $GEN_PROFILE` (default h200-embedded) makes the missing
 # ones with SGLang until GEN_S seconds (default 1200) and packs what this lease made; `merge` files the
 # pack under .carry/samples/ for the next lease (docs/eagle3.md, "Data across leases").
