@@ -360,4 +360,6 @@ def test_score_predicts_the_served_chain_from_the_held_out_rows(tmp_path, monkey
     assert ch["per_position"] == sorted(ch["per_position"], reverse=True)
     # every verify step consumes 1 + accepted response tokens: the steps and the positions agree
     assert ch["verify_steps"] * ch["accept_length"] == pytest.approx(ev["positions"], rel=0.05)
-    assert 1.15 < ch["accept_length"] < 1.45, ch
+    # measured 1.296 on the 2-core box (served: 1.283); another CPU's fp32 features may flip a few
+    # argmaxes, not more: a walk that starts, advances or cuts a chain wrongly moves it by more than 0.05
+    assert ch["accept_length"] == pytest.approx(1.296, abs=0.05), ch

@@ -178,6 +178,7 @@ def evaluate_heldout(model: Eagle3Drafter, samples: FeatureLoader, t2d: torch.Te
     drafted = [0] * cfg.ttt_steps
     assistant = [0] * cfg.ttt_steps
     walked: list[int] = []
+    drafts = min(CHAIN_STEPS, cfg.ttt_steps)  # the drafts a served chain has of this unroll
     lengths = {i: min(n, cfg.max_seq_len) for i, n in samples.lengths.items()}
     for batch_ids in _batches(lengths, cfg.batch_tokens, random.Random(0)):
         batch = samples.batch(batch_ids, cfg.max_seq_len)
@@ -186,7 +187,7 @@ def evaluate_heldout(model: Eagle3Drafter, samples: FeatureLoader, t2d: torch.Te
             out = model.ttt(aux, ids, tlogits, valid, cfg.ttt_steps, keep_hits=True)
         rows = [h.cpu() for h in out.step_hits]
         for i, s in enumerate(batch):
-            walked += chain_walk([r[i].tolist() for r in rows], s.loss_mask.tolist())
+            walked += chain_walk([r[i].tolist() for r in rows[:drafts]], s.loss_mask.tolist(), drafts)
         for k, (a, n) in enumerate(zip(out.step_acc, out.step_count)):
             if n:
                 hits[k] += a * n
@@ -196,10 +197,9 @@ def evaluate_heldout(model: Eagle3Drafter, samples: FeatureLoader, t2d: torch.Te
             assistant[k] += sum(int(s.loss_mask[1 + k:].sum()) for s in batch)
     if was_training:
         model.train()
-    k = min(CHAIN_STEPS, cfg.ttt_steps)
-    chain = {"steps": k, "verify_steps": len(walked),
+    chain = {"steps": drafts, "verify_steps": len(walked),
              "accept_length": 1 + sum(walked) / len(walked) if walked else float("nan"),
-             "per_position": [sum(a > j for a in walked) / len(walked) if walked else float("nan") for j in range(k)]}
+             "per_position": [sum(a > j for a in walked) / len(walked) if walked else float("nan") for j in range(drafts)]}
     return {"acc": [h / n if n else float("nan") for h, n in zip(hits, drafted)],
             "all_acc": [h / n if n else float("nan") for h, n in zip(hits, assistant)],
             "positions": assistant[0], "chain": chain}
