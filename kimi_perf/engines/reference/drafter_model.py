@@ -220,18 +220,31 @@ class TTTOutput:
 _ROPE_CACHE: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _rope_cos_sin(c: Eagle3Config, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_table(c: Eagle3Config, need: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for positions [0, need) or more (fp32), cached per rope config and device."""
     from .model import rope_tables
 
-    need = int(positions.max().item()) + 1
-    key = (json.dumps(dict(c.rope), sort_keys=True), c.head_dim, str(positions.device))
+    key = (json.dumps(dict(c.rope), sort_keys=True), c.head_dim, str(device))
     cached = _ROPE_CACHE.get(key)
     if cached is None or cached[0].shape[0] < need:
         size = max(need, 4096)
-        cached = rope_tables(_rope_config(c), size, positions.device)
+        cached = rope_tables(_rope_config(c), size, device)
         _ROPE_CACHE[key] = cached
-    cos, sin = cached
+    return cached
+
+
+def _rope_cos_sin(c: Eagle3Config, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin at arbitrary ``positions`` (reads the largest one back to the host: not for hot loops)."""
+    cos, sin = _rope_table(c, int(positions.max().item()) + 1, positions.device)
     return cos[positions].to(dtype), sin[positions].to(dtype)
+
+
+def _rope_cos_sin_range(c: Eagle3Config, start: int, length: int, device: torch.device,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [1, length, D] at positions start .. start+length-1: the same rows as
+    :func:`_rope_cos_sin` of ``arange(length) + start``, sliced instead of gathered, with no host sync."""
+    cos, sin = _rope_table(c, start + length, device)
+    return cos[None, start:start + length].to(dtype), sin[None, start:start + length].to(dtype)
 
 
 def _rope_config(c: Eagle3Config) -> Any:
@@ -296,31 +309,44 @@ class Eagle3Drafter(nn.Module):
         keep_hits: bool = False,
     ) -> TTTOutput:
         """Training-time test: unroll ``steps`` drafting steps and return the weighted soft-CE loss
-        (``keep_hits``: also each step's per-anchor hits, for the held-out chain walk)."""
+        (``keep_hits``: also each step's per-anchor hits, for the held-out chain walk).
+
+        Why no host sync inside the unroll: at the trainer's sizes (a 1-layer drafter, hidden 576) a
+        training step is launch-bound, a few hundred small kernels. Every ``.item()``, ``float(t)`` or
+        boolean-mask index (``x[mask]`` needs the mask's count: a nonzero and a device->host copy)
+        makes the host wait until the GPU has drained its queue, so the GPU then idles while the host
+        launches the next kernels. The step's loss, accuracy and count are therefore masked sums (a
+        step with no valid position adds exactly 0 to the loss, as skipping it did), the RoPE rows are
+        a slice (the largest position, t_len - 1 + k, is known on the host), the target's softmax and
+        argmax are computed once and shifted by slicing, and the per-step numbers come back in one
+        transfer at the end. tests/test_ttt_sync_free.py holds the former implementation and checks
+        that this one computes the same loss, gradients and per-step numbers."""
         c = self.cfg
         bsz, t_len, _ = aux.shape
         dev = aux.device
         groups = c.num_attention_heads // c.num_key_value_heads
         scale = 1.0 / math.sqrt(c.head_dim)
-        pos0 = torch.arange(t_len, device=dev)[None, :].expand(bsz, t_len)
         causal = torch.ones(t_len, t_len, device=dev, dtype=torch.bool).tril()
+        # the target's distribution and greedy choice at each position, once for all steps: step k
+        # reads them shifted by 1 + k (a view, no copy)
+        pt_all = torch.softmax(target_logits.float(), dim=-1)
+        targ_all = target_logits.argmax(-1)
         h = self.fc(aux)
         keys: list[torch.Tensor] = []
         vals: list[torch.Tensor] = []
         total = aux.new_zeros(())
-        losses, accs, counts, hits = [], [], [], []
+        stats: list[torch.Tensor] = []  # per step: [loss, acc, count] on the device, read back once
+        hits: list[torch.Tensor] = []
         for k in range(steps):
-            # anchor t at step k: token x_{t+1+k}, target = distribution at position t+1+k
+            # anchor t at step k: token x_{t+1+k}, target = distribution at position t+1+k; anchors
+            # t >= t_len - shift have no token (zero) and are never valid
             shift = 1 + k
+            span = max(t_len - shift, 0)
             tok = torch.zeros_like(input_ids)
-            tok[:, : t_len - shift] = input_ids[:, shift:]
-            tgt = torch.zeros_like(target_logits)
-            tgt[:, : t_len - shift] = target_logits[:, shift:]
-            valid = torch.zeros_like(target_valid)
-            valid[:, : t_len - shift] = target_valid[:, shift:]
+            tok[:, :span] = input_ids[:, shift:]
             e = F.embedding(tok, self.embed).to(h.dtype)
             x = torch.cat([self.midlayer.input_layernorm(e), self.midlayer.hidden_norm(h)], dim=-1)
-            cos, sin = _rope_cos_sin(c, pos0 + k, x.dtype)
+            cos, sin = _rope_cos_sin_range(c, k, t_len, dev, x.dtype)  # positions t + k
             q, kk, vv = self._qkv(x, cos, sin)
             keys.append(kk)
             vals.append(vv)
@@ -342,25 +368,25 @@ class Eagle3Drafter(nn.Module):
             resid = attn + h
             prenorm = self.midlayer.mlp(self.midlayer.post_attention_layernorm(resid)) + resid
             logits = self.lm_head(self.norm(prenorm)).float()
-            n = int(valid.sum().item())
-            if n:
-                logp = torch.log_softmax(logits[valid], dim=-1)
-                pt = torch.softmax(tgt[valid].float(), dim=-1)
-                loss_k = -(pt * logp).sum(-1).mean()
-                acc = (logits[valid].argmax(-1) == tgt[valid].argmax(-1)).float().mean()
-                if keep_hits:
-                    hits.append((logits.argmax(-1) == tgt.argmax(-1)) & valid)
-                total = total + (step_weight ** k) * loss_k
-                losses.append(float(loss_k.detach()))
-                accs.append(float(acc))
-            else:
-                losses.append(float("nan"))
-                accs.append(float("nan"))
-                if keep_hits:
-                    hits.append(torch.zeros_like(valid))
-            counts.append(n)
+            # soft CE and top-1 over the anchors that have a target, masked rather than indexed
+            lg = logits[:, :span]
+            valid = target_valid[:, shift:]  # [B, span]
+            n = valid.sum()
+            ce = -(pt_all[:, shift:] * torch.log_softmax(lg, dim=-1)).sum(-1)  # [B, span]
+            loss_k = torch.where(valid, ce, 0.0).sum() / n.clamp(min=1)
+            match = (lg.argmax(-1) == targ_all[:, shift:]) & valid
+            acc = match.sum() / n.clamp(min=1)
+            if keep_hits:
+                hits.append(torch.cat([match, match.new_zeros(bsz, t_len - span)], dim=1))
+            total = total + (step_weight ** k) * loss_k
+            some = n > 0
+            stats.append(torch.stack([torch.where(some, loss_k.detach().double(), float("nan")),
+                                      torch.where(some, acc.double(), float("nan")), n.double()]))
             h = prenorm
-        return TTTOutput(loss=total, step_loss=losses, step_acc=accs, step_count=counts, step_hits=tuple(hits))
+        # the one device->host transfer of the call
+        rows = torch.stack(stats).tolist() if stats else []
+        return TTTOutput(loss=total, step_loss=[r[0] for r in rows], step_acc=[r[1] for r in rows],
+                         step_count=[int(r[2]) for r in rows], step_hits=tuple(hits))
 
 
 def save_drafter(model: Eagle3Drafter, out_dir: Path, *, aux_ids_for: str | None = None,
