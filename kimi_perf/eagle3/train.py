@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from ..engines.reference.drafter_model import Eagle3Config, Eagle3Drafter
 from ..progress import log
@@ -296,8 +297,12 @@ def train_drafter(
     t0 = time.monotonic()
     tok0 = tokens
     last_acc: list[float] = []
-    last_loss = float("nan")
-    win_loss, win_acc, win_n = 0.0, [0.0] * cfg.ttt_steps, 0
+    # the loss stays on the device between log lines: reading it back every step (float(loss) after
+    # opt.step) would wait for the backward and the optimiser before the next batch is even read.
+    # fp64, so the window's sum is the one the former per-step Python floats added up to
+    last_loss: torch.Tensor | None = None
+    win_loss_t = torch.zeros((), dtype=torch.float64, device=device)
+    win_acc, win_n = [0.0] * cfg.ttt_steps, 0
 
     def save() -> None:
         _atomic_save({"config_digest": cfg.digest(), "train_ids": sorted(train_ids), "model": model.state_dict(),
@@ -307,31 +312,40 @@ def train_drafter(
     log(f"drafter training: {len(lengths)} samples, {sum(lengths.values())} tokens x {cfg.epochs} epochs, "
         f"{total_steps} steps, TTT {cfg.ttt_steps}, draft vocab {cfg.draft_vocab_size}, device {device}")
     model.train()
+    # record_function labels name the step's phases in a torch.profiler trace
+    # (benchmarks/drafter_train_speed.py); without an active profiler they cost next to nothing
     while step < total_steps:
         epoch, batch_ids = flat[step]
-        batch = samples.batch(batch_ids, cfg.max_seq_len)
-        aux, ids, tlogits, valid = _collate(batch, t2d, lm_rows, device, torch.float32)
+        with record_function("kimi:batch"):
+            batch = samples.batch(batch_ids, cfg.max_seq_len)
+        with record_function("kimi:collate"):
+            aux, ids, tlogits, valid = _collate(batch, t2d, lm_rows, device, torch.float32)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
+        with record_function("kimi:ttt_forward"), \
+                torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
             out = model.ttt(aux, ids, tlogits, valid, cfg.ttt_steps)
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
+        with record_function("kimi:backward"):
+            opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+        with record_function("kimi:optimizer"):
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
         step += 1
         tokens += int(sum(s.input_ids.shape[0] for s in batch))
-        last_loss = float(out.loss.detach())
-        last_acc = out.step_acc
-        win_loss += last_loss
+        last_loss = out.loss.detach()
+        last_acc = out.step_acc  # host floats already: ttt reads its per-step numbers back once
+        win_loss_t += last_loss
         win_acc = [a + (0.0 if math.isnan(b) else b) for a, b in zip(win_acc, out.step_acc)]
         win_n += 1
         if step % cfg.log_every == 0 or step == total_steps:
+            win_loss = float(win_loss_t)  # the one read-back per log line: the window's steps have finished
             el = time.monotonic() - t0
             accs = " ".join(f"{a / win_n:.2f}" for a in win_acc)
             log(f"drafter training: step {step}/{total_steps} epoch {epoch + 1}/{cfg.epochs} loss {win_loss / win_n:.3f} "
                 f"top1/step [{accs}] lr {lr_at(step - 1):.2e} {(tokens - tok0) / max(el, 1e-9):.0f} tok/s")
-            win_loss, win_acc, win_n = 0.0, [0.0] * cfg.ttt_steps, 0
+            win_loss_t.zero_()
+            win_acc, win_n = [0.0] * cfg.ttt_steps, 0
         # the epoch's held-out point before the checkpoint, so a resumed run reports every epoch's
         if heldout is not None and (step == total_steps or flat[step][0] != epoch):
             ev = evaluate_heldout(model, heldout, t2d, lm_rows, cfg, device)
@@ -345,10 +359,11 @@ def train_drafter(
             save()
         if stop_after_steps is not None and step - resumed >= stop_after_steps:
             break
+    final_loss = float(last_loss) if last_loss is not None else float("nan")  # waits for the last step
     el = time.monotonic() - t0
     model.eval()
     return model.cpu(), TrainResult(steps=step, tokens=tokens, seconds=el, tokens_per_s=(tokens - tok0) / max(el, 1e-9),
-                                    final_step_acc=last_acc, final_loss=last_loss, resumed_from_step=resumed,
+                                    final_step_acc=last_acc, final_loss=final_loss, resumed_from_step=resumed,
                                     heldout_by_epoch=curve)
 
 
