@@ -201,7 +201,14 @@ device)
     if [ "$self" = gen ]; then
       python3 scripts/gpu_lease.py collect gen "$OUT" samples-pack generate-summary.json
     else
-      python3 scripts/gpu_lease.py collect build "$OUT" build-reports.tgz drafter-bundle
+      # a call returns at most 8 files: the log, state and rc, the reports, and either the samples pack
+      # (2 files) while training runs or, once it is there, the drafter bundle (an index and 1-2 parts).
+      # Generation (~10 min) outlasts one call's wait, so the pack comes back before the bundle exists
+      if [ -f /tmp/kimi-lease/build/repo/drafter-bundle/drafter-bundle.json ]; then
+        python3 scripts/gpu_lease.py collect build "$OUT" build-reports.tgz drafter-bundle
+      else
+        python3 scripts/gpu_lease.py collect build "$OUT" build-reports.tgz samples-pack
+      fi
     fi
     exit 0
   fi
@@ -320,6 +327,13 @@ genjob|buildjob)  # run under gpu_lease: the recipe's prompt data and the sample
     # and speedup (docs/eagle3.md, "The drafter at scale"). SGLang is installed as the recipe's
     # generator; with every makeable sample carried, it is not launched
     rep=perf-report/build; mkdir -p "$rep"
+    # the samples no pack holds yet are generated first, as the data job makes them, and packed at once:
+    # every later call of the lease collects the pack, so the data comes back even if the lease ends
+    # during training (nothing is generated, and no server launched, when every sample was carried)
+    python3 -m kimi_perf.eagle3.generate --profile "${GEN_PROFILE:-h200-embedded}" --engine-python /tmp/sglang-python \
+      --max-s "${GEN_S:-1200}" --log-dir perf-report/generate --pack samples-pack "${only[@]}" > generate-summary.json \
+      || echo "[build] generation failed; the pytest build generates what is missing itself"
+    cat generate-summary.json
     eval "extra=(${PYTEST_ARGS:-})"  # shell words, as the A/B job reads them
     # --perf-train-drafter: a build lease builds, also when a shipped bundle already matches the recipe
     python3 -m pytest -m "perf and eagle" -p no:cacheprovider --perf-profile "${GEN_PROFILE:-h200-embedded}" \
@@ -345,6 +359,28 @@ genjob|buildjob)  # run under gpu_lease: the recipe's prompt data and the sample
   ;;
 merge)
   src=${2:?give the call\'s files_at folder}
+  # a pack of samples this lease made (the data job's, or the build job's own generation): kept in the
+  # repository, to be committed. A pack kept only in the ignored .carry/ was lost with the development
+  # machine once (47,160 samples, docs/eagle3.md). Every later data or build job unpacks it. Each call
+  # of a lease collects the same pack again: one whose parts are already filed, or that holds no
+  # sample, is not filed twice
+  packed=""
+  for job in gen build; do
+    m=$src/$job/samples-pack/MANIFEST.json
+    [ -f "$m" ] || continue
+    if python3 - "$m" benchmarks/h200-drafter-lease/3-data/packs <<'PY'; then
+import json, pathlib, sys
+m = json.load(open(sys.argv[1]))
+old = [json.load(open(f))["parts"] for f in pathlib.Path(sys.argv[2]).glob("*/MANIFEST.json")]
+sys.exit(0 if m["samples"] > 0 and m["parts"] not in old else 1)
+PY
+      p=benchmarks/h200-drafter-lease/3-data/packs/$(date -u +%Y%m%dT%H%M%S)
+      mkdir -p "$p" && cp -r "$src/$job/samples-pack/." "$p/"
+      echo "commit $p (it travels with the tree: build the wheelhouse again, prepare cuts smaller parts)"
+      packed=$p
+    fi
+    cp "$src/$job/generate-summary.json" "benchmarks/h200-drafter-lease/3-data/$(date -u +%Y%m%dT%H%M)-summary.json" 2>/dev/null
+  done
   if [ -f "$src/build/build-reports.tgz" ]; then  # a drafter-build lease: its reports, by time
     # by time to the second: three merges of one lease's calls once landed in one minute's folder
     d=benchmarks/h200-drafter-lease/4-build/$(date -u +%Y%m%dT%H%M%S); mkdir -p "$d"
@@ -357,15 +393,12 @@ merge)
     fi
     ls "$d"; exit 0
   fi
-  if [ -f "$src/gen/samples-pack/MANIFEST.json" ]; then  # a data-stage lease: keep its pack for the next one
-    # in the repository, to be committed: a pack kept only in the ignored .carry/ was lost with the
-    # development machine once (47,160 samples, docs/eagle3.md). Every later data or build job unpacks it
-    p=benchmarks/h200-drafter-lease/3-data/packs/$(date -u +%Y%m%dT%H%M%S)
-    mkdir -p "$p" && cp -r "$src/gen/samples-pack/." "$p/"
-    echo "commit $p (it travels with the tree: build the wheelhouse again, prepare cuts smaller parts)"
+  if [ -f "$src/gen/job.log" ]; then  # a data-stage lease
+    mkdir -p benchmarks/h200-drafter-lease/3-data
     cp "$src/gen/job.log" "benchmarks/h200-drafter-lease/3-data/$(date -u +%Y%m%dT%H%M)-job.log"
-    cp "$src/gen/generate-summary.json" "benchmarks/h200-drafter-lease/3-data/$(date -u +%Y%m%dT%H%M)-summary.json" 2>/dev/null
-    ls "$p"; exit 0
+  fi
+  if [ -d "$src/gen" ] || [ -d "$src/build" ]; then  # a data or build call without reports yet
+    [ -n "$packed" ] && ls "$packed"; exit 0
   fi
   # one folder per commit measured: a later lease of other code does not overwrite the last one's files
   lease=benchmarks/h200-engines-lease/ab/$(cut -c1-7 .carry/COMMIT)
