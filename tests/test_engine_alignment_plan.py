@@ -242,18 +242,15 @@ def test_vllm_plain_side_is_the_throughput_config_and_sglang_without_alignment_i
 
 def test_the_recipe_generator_is_the_reference_engine_or_sglang():
     """eagle3.recipe.data.generator picks the server that regenerates responses: the reference engine
-    batches to the recipe's concurrency, SGLang as the profile has it with decode graphs up to that
-    concurrency, vLLM (no /generate on token ids)
+    batches to the recipe's concurrency, SGLang as the profile has it, vLLM (no /generate on token ids)
     and an engine the profile lacks are usage errors naming the key."""
     from kimi_perf.eagle3.data import DataConfig
 
     e = eagle3(session())
     ref = generator_config(e, DataConfig(concurrency=24), TARGET)
     assert ref.kind == "reference" and ref.max_running_requests == 24
-    sg = generator_config(e, DataConfig(generator="sglang", concurrency=256), TARGET)
-    # as the profile has it, but with decode graphs up to the concurrency it is sent (eager past them)
-    assert sg == dataclasses.replace(engine_config(settings(session()), "sglang", TARGET), cuda_graph_max_bs_decode=256)
-    assert sg.argv(1)[sg.argv(1).index("--cuda-graph-max-bs-decode") + 1] == "256"
+    assert generator_config(e, DataConfig(generator="sglang"), TARGET) == engine_config(settings(session()), "sglang",
+                                                                                         TARGET)
     with pytest.raises(pytest.UsageError, match=r"generator 'vllm' is a vllm engine.*reference engine or SGLang"):
         generator_config(e, DataConfig(generator="vllm"), TARGET)
     with pytest.raises(pytest.UsageError, match=r"eagle3.recipe.data.generator 'tgi' is not an engine"):
