@@ -335,20 +335,34 @@ genjob|buildjob)  # run under gpu_lease: the recipe's prompt data and the sample
       || echo "[build] generation failed; the pytest build generates what is missing itself"
     cat generate-summary.json
     eval "extra=(${PYTEST_ARGS:-})"  # shell words, as the A/B job reads them
+    # the drafter itself, as the bundle the suite ships, in parts a call can return (16 MiB a file): the
+    # machine's disk goes with the lease, and a drafter kept only there was lost once (docs/eagle3.md).
+    # Packed as soon as training has finished, while the serving tests run (xz on one of the host's 16
+    # cores for ~20 s), so a lease that ends during the tests still returns it
+    pack_drafter() {
+      echo "[build] packing the drafter bundle ($(date -u +%H:%M:%S))"
+      python3 -m kimi_perf.eagle3.shipped pack --profile "${GEN_PROFILE:-h200-embedded}" --out drafter-bundle
+    }
+    (
+      while [ ! -f drafter-bundle/drafter-bundle.json ] && [ ! -f "$rep/.pytest-ended" ]; do
+        if ls "$KIMI_PERF_CACHE"/eagle3/*/gen-*/features-*/drafter-*/drafter/COMPLETE >/dev/null 2>&1; then
+          pack_drafter; break
+        fi
+        sleep 10
+      done
+    ) &
+    watcher=$!
     # --perf-train-drafter: a build lease builds, also when a shipped bundle already matches the recipe
     python3 -m pytest -m "perf and eagle" -p no:cacheprovider --perf-profile "${GEN_PROFILE:-h200-embedded}" \
       --perf-train-drafter --perf-sglang-python /tmp/sglang-python --perf-report-dir "$rep" --perf-history off \
       -rA "${extra[@]}" 2>&1 | tee "$rep/pytest.log"
     rc=${PIPESTATUS[0]}
+    touch "$rep/.pytest-ended"; wait "$watcher"  # a pack under way finishes first
     for f in $(find "$KIMI_PERF_CACHE/eagle3" -name report.json -path '*drafter*' 2>/dev/null); do
       cp "$f" "$rep/drafter-report.json"
     done
     tar czf build-reports.tgz "$rep"/summary.md "$rep"/run.json "$rep"/pytest.log "$rep"/drafter-report.json 2>/dev/null
-    # the drafter itself, as the bundle the suite ships, in parts a call can return (16 MiB a file): the
-    # machine's disk goes with the lease, and a drafter kept only there was lost once (docs/eagle3.md)
-    echo "[build] packing the drafter bundle ($(date -u +%H:%M:%S))"
-    python3 -m kimi_perf.eagle3.shipped pack --profile "${GEN_PROFILE:-h200-embedded}" --out drafter-bundle \
-      || echo "[build] no drafter to pack (training did not finish)"
+    [ -f drafter-bundle/drafter-bundle.json ] || pack_drafter || echo "[build] no drafter to pack (training did not finish)"
     exit "$rc"
   fi
   python3 -m kimi_perf.eagle3.generate --profile "${GEN_PROFILE:-h200-embedded}" --engine-python /tmp/sglang-python \
