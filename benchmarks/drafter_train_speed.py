@@ -18,7 +18,8 @@ never generates any -- and reports
   that synchronise the host with the device and the ops that read a number back.
 
 It writes one JSON (``--out``) and prints progress lines as it goes. On a GPU lease whose cache holds
-the recipe's samples (``python -m kimi_perf.eagle3.carry unpack .carry/samples/*``, docs/eagle3.md)::
+the recipe's samples (``python -m kimi_perf.eagle3.carry unpack
+benchmarks/h200-drafter-lease/3-data/packs/*``, docs/eagle3.md)::
 
     python benchmarks/drafter_train_speed.py --profile h200-embedded --out $OUT/drafter-train-speed.json
 
