@@ -16,14 +16,13 @@ import json
 import math
 import warnings
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F  # noqa: E402
+from test_eagle3_model import tiny  # noqa: E402
 
-from kimi_perf.eagle3.vocab import build_vocab_maps  # noqa: E402
 from kimi_perf.engines.reference.drafter_model import (  # noqa: E402
     Eagle3Config,
     Eagle3Drafter,
@@ -31,10 +30,6 @@ from kimi_perf.engines.reference.drafter_model import (  # noqa: E402
     _rope_config,
 )
 
-TARGET = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "head_dim": 16, "vocab_size": 300, "rms_norm_eps": 1e-5, "max_position_embeddings": 512,
-          "num_hidden_layers": 30, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
-          "tie_word_embeddings": True}
 VD = 16
 
 
@@ -139,14 +134,7 @@ def _ttt_reference(
 
 
 def _drafter(seed: int = 0) -> Eagle3Drafter:
-    torch.manual_seed(seed)
-    m = Eagle3Drafter(Eagle3Config.for_target(TARGET, VD), torch.randn(300, 64))
-    d2t, t2d = build_vocab_maps(np.random.default_rng(seed).integers(0, 100, 300), VD)
-    m.set_vocab(torch.from_numpy(d2t), torch.from_numpy(t2d))
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return m.float().train()
+    return tiny(VD, seed=seed).float().train()  # test_eagle3_model's tiny drafter, draft vocabulary VD
 
 
 def _batch(lengths: list[int], seed: int, valid_at: set[int] | None = None, density: float = 0.6):
