@@ -4,8 +4,11 @@
 #
 #   here, once per engine:  bash scripts/h200_engine_ab.sh prepare sglang|vllm
 #   here, before a call:    bash scripts/h200_engine_ab.sh stage NAME INDEX [NAME INDEX]  (model, sglang, vllm)
-#   each device call:       ENGINE=sglang bash scripts/h200_engine_ab.sh device   (carry: what `stage` prints,
-#                           [".carry", ".whl"] or, once the tree has grown, [".whl"] for a staging call)
+#   each staging call:      ENGINE=sglang bash scripts/h200_engine_ab.sh device   (carry: what `stage` prints,
+#                           [".carry", ".whl"] or, once the tree has grown, [".whl"]; files and installs)
+#   each job call:          TASK=ab ENGINE=sglang bash scripts/h200_engine_ab.sh device   (starts the job
+#                           once everything is installed, or waits on it and collects; TASK=generate|build
+#                           for the drafter's data and build jobs below)
 #   here, after each call:  bash scripts/h200_engine_ab.sh merge FILES_AT
 #
 # Why a script: the runner reaches nothing outside itself, so the engine and the model travel as
@@ -23,7 +26,8 @@
 # ones with SGLang until GEN_S seconds (default 1200) and packs what this lease made; `merge` files the
 # pack under benchmarks/h200-drafter-lease/3-data/packs/ for the next lease (commit it; docs/eagle3.md,
 # "Data across leases").
-# TASK=build (ENGINE=sglang, the same staging) builds the recipe's drafter from the carried samples with
+# TASK=build (ENGINE=sglang, the same staging; GENERATOR=none skips SGLang's parts once every sample is
+# committed) builds the recipe's drafter from the carried samples with
 # online features and runs its EAGLE-3 tests (pytest -m "perf and eagle"), then packs the drafter as a
 # shipped bundle; `merge` files the reports under benchmarks/h200-drafter-lease/4-build/ and unpacks the
 # bundle into kimi_perf/eagle3/shipped_drafters/ (commit it: the lease's disk does not outlive it).
@@ -156,17 +160,27 @@ device)
   # engine only files its parts; installing (unpacking ~100-200 MB) waits too, as it would take host CPU
   # from the servers being measured. Staging calls during a running job cost no device time of their
   # own (the machine is held anyway), so the next engine's parts can travel meanwhile
-  self=ab-$engine; [ "${TASK:-ab}" = generate ] && self=gen; [ "${TASK:-ab}" = build ] && self=build
+  # a job starts only when the call names its TASK: a staging call that left TASK out once started the
+  # A/B job as soon as the last wheelhouse part was in, where a drafter build was meant (2 minutes of
+  # the lease, and a job to kill before the build could start)
+  case "${TASK:-}" in
+    ab) self=ab-$engine ;; generate) self=gen ;; build) self=build ;;
+    "") self="" ;;
+    *) echo "TASK=$TASK: ab, generate or build" >&2; exit 2 ;;
+  esac
   for st in /tmp/kimi-lease/*/state.json; do
     [ -f "$st" ] || continue
     other=$(basename "$(dirname "$st")")
-    [ "$other" = "$self" ] && continue
+    [ -n "$self" ] && [ "$other" = "$self" ] && continue
     if python3 scripts/gpu_lease.py status "$other" >/dev/null; then
       echo "$engine: parts filed; $other still runs, so installing and the job wait (call again once $other has ended)"; exit 0
     fi
   done
   ready=1
-  for n in model "$engine"; do
+  # GENERATOR=none: a build whose samples are all committed launches no engine, so it needs only the
+  # model's wheelhouse (4 staging calls fewer)
+  need=("$engine"); [ "${TASK:-}" = build ] && [ "${GENERATOR:-}" = none ] && need=()
+  for n in model "${need[@]}"; do
     if [ -f "/tmp/site-$n/.installed" ]; then echo "$n: installed"; continue; fi
     if [ ! -f "/tmp/whl/$n/install.sh" ]; then echo "$n: no part here yet (stage $n 0)"; ready=0; continue; fi
     if PARTS_DIR=/tmp/whl/$n bash "/tmp/whl/$n/install.sh" --check; then
@@ -177,6 +191,7 @@ device)
     fi
   done
   [ "$ready" = 1 ] || { echo "not all wheelhouses are installed: stage the next missing part"; exit 0; }
+  [ -n "$self" ] || { echo "installed; no job starts without TASK=ab, generate or build"; exit 0; }
   printf '#!/bin/sh\nexport PYTHONPATH=/tmp/site-%s${PYTHONPATH:+:$PYTHONPATH}\nexec python3 "$@"\n' "$engine" \
     > "/tmp/$engine-python" && chmod +x "/tmp/$engine-python"
   if [ "$self" = gen ] || [ "$self" = build ]; then
