@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-steps", type=int, default=8,
                     help="steps traced with torch.profiler after the timed run (default 8; 0: no trace)")
     ap.add_argument("--device", default=None,
-                    help="train on this device (default: the recipe's: cuda if available, else cpu)")
+                    help="train on this device, the target's forward of an online recipe too (default: cuda if "
+                         "available, else cpu)")
     ap.add_argument("--max-samples", type=int, default=None,
                     help="train on this many of the recipe's training samples (a seeded choice; for a quick "
                          "CPU smoke run). The draft vocabulary is still built from all of them")
@@ -213,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if a.device and recipe.features.device != device.type:
+        # an online recipe's training rows come from the target's forward in the trainer's loop: run it
+        # where the drafter trains (h200-embedded's CUDA target on a CPU box, for a smoke run)
+        recipe = replace(recipe, features=replace(recipe.features, device=device.type))
     target = ensure_embedded_model()
     fp = model_fingerprint(target.path)
     data_dir, feat_dir, _ = cache_dirs(recipe, fp, a.cache_root)
@@ -222,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"profile {a.profile}: no generated samples at {samples_path}. This benchmark trains on "
                          "the recipe's samples and never generates them: build the recipe's data first (the "
                          "pipeline, `python -m kimi_perf.eagle3.generate --profile ...`, or on a lease "
-                         "`python -m kimi_perf.eagle3.carry unpack .carry/samples/*`)")
+                         "`python -m kimi_perf.eagle3.carry unpack benchmarks/h200-drafter-lease/3-data/packs/*`)")
     train = [s for s in samples.values() if s.split == "train"]
     heldout = [s for s in samples.values() if s.split == "heldout"]
     if not train:
