@@ -177,9 +177,9 @@ device)
     fi
   done
   ready=1
-  # GENERATOR=none: a build whose samples are all committed launches no engine, so it needs only the
-  # model's wheelhouse (4 staging calls fewer)
-  need=("$engine"); [ "${TASK:-}" = build ] && [ "${GENERATOR:-}" = none ] && need=()
+  # GENERATOR=none: a build whose samples are all committed launches no engine, so its staging and job
+  # calls need only the model's wheelhouse (none of SGLang's staging calls)
+  need=("$engine"); [ "${GENERATOR:-}" = none ] && [ "${TASK:-}" != ab ] && need=()
   for n in model "${need[@]}"; do
     if [ -f "/tmp/site-$n/.installed" ]; then echo "$n: installed"; continue; fi
     if [ ! -f "/tmp/whl/$n/install.sh" ]; then echo "$n: no part here yet (stage $n 0)"; ready=0; continue; fi
