@@ -336,6 +336,15 @@ genjob|buildjob)  # run under gpu_lease: the recipe's prompt data and the sample
     python3 -m kimi_perf.eagle3.carry unpack "$d" || exit
     only+=(--only-new "$d")
   done
+  # the samples no pack holds yet, made with SGLang until GEN_S seconds and packed: the data job's whole
+  # work and the build job's first step; the summary is printed whatever the exit status
+  generate_missing() {
+    python3 -m kimi_perf.eagle3.generate --profile "${GEN_PROFILE:-h200-embedded}" --engine-python /tmp/sglang-python \
+      --max-s "${GEN_S:-1200}" --log-dir perf-report/generate --pack samples-pack "${only[@]}" > generate-summary.json
+    local rc=$?
+    cat generate-summary.json
+    return $rc
+  }
   if [ "$cmd" = buildjob ]; then
     # the recipe's drafter from the carried samples (online features: nothing stored but the held-out
     # rows), then its EAGLE-3 tests on the reference engine: held-out accept length, per-position rates
@@ -345,10 +354,7 @@ genjob|buildjob)  # run under gpu_lease: the recipe's prompt data and the sample
     # the samples no pack holds yet are generated first, as the data job makes them, and packed at once:
     # every later call of the lease collects the pack, so the data comes back even if the lease ends
     # during training (nothing is generated, and no server launched, when every sample was carried)
-    python3 -m kimi_perf.eagle3.generate --profile "${GEN_PROFILE:-h200-embedded}" --engine-python /tmp/sglang-python \
-      --max-s "${GEN_S:-1200}" --log-dir perf-report/generate --pack samples-pack "${only[@]}" > generate-summary.json \
-      || echo "[build] generation failed; the pytest build generates what is missing itself"
-    cat generate-summary.json
+    generate_missing || echo "[build] generation failed; the pytest build generates what is missing itself"
     eval "extra=(${PYTEST_ARGS:-})"  # shell words, as the A/B job reads them
     # the drafter itself, as the bundle the suite ships, in parts a call can return (16 MiB a file): the
     # machine's disk goes with the lease, and a drafter kept only there was lost once (docs/eagle3.md).
@@ -380,11 +386,8 @@ genjob|buildjob)  # run under gpu_lease: the recipe's prompt data and the sample
     [ -f drafter-bundle/drafter-bundle.json ] || pack_drafter || echo "[build] no drafter to pack (training did not finish)"
     exit "$rc"
   fi
-  python3 -m kimi_perf.eagle3.generate --profile "${GEN_PROFILE:-h200-embedded}" --engine-python /tmp/sglang-python \
-    --max-s "${GEN_S:-1200}" --log-dir perf-report/generate --pack samples-pack "${only[@]}" > generate-summary.json
-  rc=$?
-  cat generate-summary.json
-  exit $rc
+  generate_missing
+  exit $?
   ;;
 merge)
   src=${2:?give the call\'s files_at folder}
