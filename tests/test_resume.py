@@ -337,6 +337,8 @@ def test_online_features_train_the_drafter_the_stored_ones_do(tiny_model, tmp_pa
     stored = extract_features(samples, tiny_model, tmp_path / "feat", spec, model_fingerprint="tiny")
     online = OnlineFeatures(samples, tiny_model, replace(spec, online=True))
     assert online.layers == stored.layers and online.num_tokens == stored.num_tokens
+    # counted once, not per read: the trainer and the speed benchmark read lengths per run and per batch
+    assert online.lengths is online.lengths
     # a view holds only its ids: the held-out scoring must not see training samples
     assert set(online.loader({samples[0].id}).lengths) == {samples[0].id}
     train_ids, held_ids = [s.id for s in samples[:12]], [s.id for s in samples[12:]]
