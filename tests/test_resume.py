@@ -341,6 +341,14 @@ def test_online_features_train_the_drafter_the_stored_ones_do(tiny_model, tmp_pa
     assert online.lengths is online.lengths
     # a view holds only its ids: the held-out scoring must not see training samples
     assert set(online.loader({samples[0].id}).lengths) == {samples[0].id}
+    # a batch cut at max_len (50, 59 and 53 tokens, cut at 55): each sample's own ids and loss mask,
+    # rows of one padded tensor, and rows of the target of the same length
+    by_id = {s.id: s for s in samples}
+    for fs in online.batch([samples[0].id, samples[9].id, samples[3].id], 55):
+        n = min(len(by_id[fs.id].ids), 55)
+        assert fs.input_ids.tolist() == by_id[fs.id].ids[:n]
+        assert fs.loss_mask.tolist() == [bool(x) for x in by_id[fs.id].loss_mask[:n]]
+        assert fs.aux.shape[0] == fs.final.shape[0] == fs.target_argmax.shape[0] == n
     train_ids, held_ids = [s.id for s in samples[:12]], [s.id for s in samples[12:]]
     cfg, embed, lm = load_target_tensors(tiny_model)
     counts = count_tokens(((s.ids, s.loss_mask) for s in samples[:12]), cfg["vocab_size"])
