@@ -96,8 +96,9 @@ def test_the_benchmark_never_generates_samples(tmp_path):
 
 def test_the_stamped_loader_reads_the_lengths_once():
     """The wrapper times the trainer, so it must not add work of its own per batch: it once read the
-    inner loader's ``lengths`` for every sample of every batch, and an online source builds that dict
-    on each read (8,000 samples: 1.1 s of host time a step, 9x the step on an H100)."""
+    inner loader's ``lengths`` for every sample of every batch, and an online source built that dict
+    on each read (8,000 samples on an H100: its batch phase took 1,145 ms of host time a step against
+    32 ms of kernels, with the online source's per-sample copies)."""
     reads = []
 
     class Inner:
