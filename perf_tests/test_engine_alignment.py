@@ -394,7 +394,9 @@ def test_sglang_planted_layer_offset_is_named(planted_engine, alignment, perf_se
     max_ratio, resolvable = ev.mismatch_max_accept_ratio, ev.mismatch_min_accept_length
     log(f"planted SGLang offset [{name}]: accept length {acc.accept_length:.3f} vs {good.accept_length:.3f} "
         f"served right (accepted drafts x{ratio:.3f})")
-    if good.accept_length >= resolvable and not ratio < max_ratio:
+    # null: the profile measured that an offset costs its drafter little acceptance, so the drop is
+    # reported (above) and not compared with a bound
+    if max_ratio is not None and good.accept_length >= resolvable and not ratio < max_ratio:
         warnings.warn(PerfWarning(
             f"planted SGLang offset [{name}]: accepted drafts per step x{ratio:.3f} of the correct drafter's, not "
             f"below eval.mismatch_max_accept_ratio {max_ratio}: serving one layer off barely hurts this drafter"),

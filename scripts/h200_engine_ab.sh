@@ -46,10 +46,10 @@ set -u
 cmd=${1:-device}
 WH=${WH:-/work/wheelhouse}
 PY=${PY:-.venv/bin/python}
-# the embedded-cpu recipe's drafter, shipped with kimi-perf: the comparison is of engines serving one
-# drafter (profiles/h200-engines.json sources.drafter)
+# h200-embedded's 47K-sample drafter, shipped with kimi-perf: the comparison is of engines serving one
+# drafter (profiles/h200-engines.json sources.drafter); DRAFTER=... overrides
 # (its bundle folder: --perf-drafter writes its compressed weights out once)
-DRAFTER=kimi_perf/eagle3/shipped_drafters/a114c67ab3aea404-9b84de8d53f8-03d0b33f6cff-bca767665699
+DRAFTER=${DRAFTER:-kimi_perf/eagle3/shipped_drafters/c6777fd6e43c3e90-002c71e6c1a8-03d0b33f6cff-3657caf90df2}
 # wheelhouse parts: the working tree travels with every call within 64 MiB, so `prepare` cuts parts that
 # fit beside it (part_size: at most 28 MiB, less once the tree grows; PART=... overrides); `stage` says
 # which carry list still fits (carry_advice). Both in scripts/lease_common.sh
