@@ -29,6 +29,24 @@ if TYPE_CHECKING:
 PROP = "kimi_perf"
 
 
+def measured_with_mismatch(entry_extra: Mapping[str, Any] | None,
+                           measured_with: Mapping[str, str] | None) -> tuple[str, str]:
+    """(why the baseline is of something else, or ""; which of ``measured_with`` it does not name, or "").
+
+    ``entry_extra`` is the stored entry's ``extra`` (its ``measured_with`` as the measuring run recorded
+    it); see :meth:`PerfGate.check`."""
+    if not measured_with or entry_extra is None:
+        return "", ""
+    stored = entry_extra.get("measured_with") or {}
+    if not isinstance(stored, Mapping):
+        stored = {}
+    other = [f"the baseline was measured with {k} {stored[k]!r}, this run with {v!r}"
+             for k, v in sorted(measured_with.items()) if k in stored and stored[k] != v]
+    unnamed = [k for k in sorted(measured_with) if k not in stored]
+    return "; ".join(other), (f"the baseline names no {', '.join(unnamed)} it was measured with "
+                              "(re-record it with --perf-update-baselines)" if unnamed else "")
+
+
 class PerfWarning(UserWarning):
     """A metric moved beyond tolerance without statistical support (verdict WARN)."""
 
@@ -90,6 +108,7 @@ class PerfGate:
         confirm: Callable[[], Mapping[str, Sequence[float]]] | None = None,
         dependent: Collection[str] = (),
         decided: Sequence[GateDecision] = (),
+        measured_with: Mapping[str, str] | None = None,
     ) -> list[GateDecision]:
         """Gate ``samples`` against the stored baseline; raise :class:`PerfRegression` on a FAIL.
 
@@ -105,6 +124,13 @@ class PerfGate:
         decode read R times); gated as n=1 by magnitude (``stats.gate(independent=False)``).
         ``decided``: decisions the test made itself against a fixed bound (e.g. a same-run ratio's
         interval vs 1.0); recorded and reported with the others, FAIL raises, INCONCLUSIVE warns.
+        ``measured_with``: what the figures depend on that the key does not name, e.g. ``{"drafter":
+        identity}`` (:func:`kimi_perf.eagle3.shipped.drafter_identity`). It is kept in the record's
+        ``extra``, so ``--perf-update-baselines`` stores it with the entry. A baseline that names another
+        value is not compared: its metrics report NEW with both values, because one drafter's acceptance
+        is no baseline for another's (a shipped 1.78 drafter once read "+36%, PASS" against the CI
+        recipe's 1.31). A baseline that names none was recorded before this existed: compared, and the
+        reason says it names none.
         """
         s = self.ctx
         measured = drain()  # the repeats the test measured for this check (kimi_perf.results)
@@ -115,6 +141,9 @@ class PerfGate:
             raise ValueError(f"gated metric(s) {missing} were not measured")
         key = self.key(scenario=scenario, engine=engine, model=model, workload=workload, concurrency=concurrency)
         entry = s.store.get(key)
+        other, unnamed = measured_with_mismatch(entry.extra if entry is not None else None, measured_with)
+        if other:
+            entry = None  # reported as NEW below, with the reason
         # external reference figures (baselines provenance kind "external": typed in, not measured) leave
         # the gated list here and come back as REF decisions below, so they never trigger a confirming
         # re-measurement and never FAIL on magnitude (issue 16 item 2)
@@ -130,6 +159,9 @@ class PerfGate:
                     for m in gated]
 
         decisions = decide(samples)
+        if other:
+            decisions = [replace(d, reason=f"{other}: not compared (--perf-update-baselines records this run's)")
+                         if d.verdict == "NEW" else d for d in decisions]
         confirmed_from = None
         confirming: list[Any] = []
         if confirm is not None and not s.update and any(d.verdict == "FAIL" for d in decisions):
@@ -163,10 +195,15 @@ class PerfGate:
             decisions += [replace(d, reason=f"{d.reason} (not raised: --perf-update-baselines)")
                           if d.verdict == "FAIL" else d for d in decided]
             decided = ()
+        if unnamed and entry is not None:
+            decisions = [replace(d, reason=f"{d.reason}; {unnamed}") if d.baseline is not None else d
+                         for d in decisions]
         decisions = [*decisions, *decided]
         self.decisions += decisions
         if confirmed_from is not None:
             extra = {**(extra or {}), "first_measurement": confirmed_from}
+        if measured_with:
+            extra = {**(extra or {}), "measured_with": dict(measured_with)}
         record: dict[str, Any] = {
             "nodeid": self.node.nodeid, "key": key.as_dict(), "engine_version": engine_version,
             "baseline_engine_version": entry.engine_version if entry else None,

@@ -75,6 +75,12 @@ def _ab(request, eagle3_runs, engine):
     return eagle3_runs.ab(engine, while_up=capture)
 
 
+def _measured_with(drafter):
+    """The drafter's identity for the gate: a baseline another drafter measured is not compared
+    (PerfGate.check's ``measured_with``; kimi_perf.eagle3.shipped.drafter_identity says what names it)."""
+    return {"drafter": drafter.identity} if drafter.identity else None
+
+
 def _workload(perf_session, drafter):
     # kimi_perf.keys builds the key from the profile, the same function the stored keys are checked
     # against; the drafter fixture made sure the run has exactly the prompts it names
@@ -140,7 +146,7 @@ def test_acceptance(eagle3_engine, eagle3_runs, eagle3_drafter, perf_gate, perf_
     perf_gate.check(scenario="eagle3_acceptance", engine=eng, model=target_model.name,
                     workload=_workload(perf_session, eagle3_drafter), concurrency=1, samples=samples,
                     gated=[m for m in wanted if m in samples], dependent=list(samples),
-                    engine_version=ab.versions.get("spec"), extra=extra)
+                    engine_version=ab.versions.get("spec"), extra=extra, measured_with=_measured_with(eagle3_drafter))
     log(f"eagle3 acceptance [{eng}]: " + ", ".join(f"{k} {np.median(v):.3f}" for k, v in samples.items()))
     _, _, min_len = _eval(perf_session)
     med = samples["accept_length"][0]
@@ -186,7 +192,8 @@ def test_acceptance_on_code_prompts(eagle3_engine, eagle3_runs, eagle3_drafter, 
     perf_gate.check(scenario=EAGLE3_CODE, engine=eng, model=target_model.name,
                     workload=eagle3_code_workload(perf_session.profile), concurrency=1, samples=samples, gated=[],
                     dependent=list(samples), engine_version=ab.versions.get("spec"), extra=extra,
-                    decided=[reported(get_metric(m), v, why) for m, v in samples.items()])
+                    decided=[reported(get_metric(m), v, why) for m, v in samples.items()],
+                    measured_with=_measured_with(eagle3_drafter))
     log(f"eagle3 acceptance on code [{eng}]: accept length {res.accept_length:.3f} on {n} HumanEval prompts "
         f"(MT-bench {chat:.3f}); " + ", ".join(f"{k} {v[0]:.3f}" for k, v in samples.items() if k != "accept_length"))
 
@@ -218,7 +225,8 @@ def test_speedup_vs_no_spec(eagle3_engine, eagle3_runs, eagle3_drafter, perf_gat
                     extra={"plain_tok_s": [p.output_tok_s for p in ab.plain],
                            "spec_tok_s": [s.output_tok_s for s in ab.spec],
                            "identical_outputs": f"{same}/{total}", "engine_versions": dict(ab.versions),
-                           "servers": dict(ab.configs), "speedup_interval": iv.message()})
+                           "servers": dict(ab.configs), "speedup_interval": iv.message()},
+                    measured_with=_measured_with(eagle3_drafter))
     log(f"eagle3 speedup [{eng}]: {iv.message()} (per repeat {', '.join(f'{r:.3f}' for r in ratios)}); "
         f"serving-dtype outputs identical to no-spec for {same}/{total} requests")
 
@@ -363,7 +371,8 @@ def test_layer_mismatch_collapses_acceptance_and_is_named(eagle3_runs, eagle3_dr
                     extra={"correct_accept_length": good, "accepted_drafts_ratio": ratio,
                            "written_ids": list(written), "served_layers": list(served),
                            "trained_layers": list(trained), "max_ratio": max_ratio},
-                    decided=[reported(get_metric("accept_length"), [res.accept_length], why)])
+                    decided=[reported(get_metric("accept_length"), [res.accept_length], why)],
+                    measured_with=_measured_with(eagle3_drafter))
     if unasserted is not None:
         import warnings
 
@@ -409,7 +418,7 @@ def test_acceptance_in_vllm(eagle3_drafter, eagle3_runs, perf_session, target_mo
     perf_gate.check(scenario="eagle3_acceptance", engine="vllm", model=target_model.name,
                     workload=_workload(perf_session, eagle3_drafter), concurrency=1, samples=samples,
                     gated=["accept_length"], dependent=["accept_length"], engine_version=srv.version,
-                    extra={"markdown": table})
+                    extra={"markdown": table}, measured_with=_measured_with(eagle3_drafter))
 
 
 def test_acceptance_of_the_endpoint(perf_session, perf_engine_name, prompt_factory, perf_gate, target_model, request):

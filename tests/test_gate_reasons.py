@@ -123,3 +123,47 @@ def test_a_tests_own_interval_decision_is_reported(project, spec, outcome, verdi
     r.stdout.fnmatch_lines([f"*spec_speedup*{verdict}*95% t interval*1*"])
     dec, _ = _decisions(project)
     assert dec["spec_speedup"]["verdict"] == verdict and dec["spec_speedup"]["interval"]
+
+
+DRAFTER = '''
+import pytest
+
+@pytest.mark.perf
+def test_acceptance(perf_gate):
+    with_ = {with_!r}
+    perf_gate.check(scenario="toy-eagle3", engine="reference", model="toy-model", workload="w-1", concurrency=1,
+                    samples={{"accept_length": [{accept}]}}, gated=["accept_length"], dependent=["accept_length"],
+                    measured_with=with_)
+'''
+
+
+def test_a_baseline_of_another_drafter_is_not_compared(project):
+    """A drafter's acceptance is no baseline for another drafter's: a drop from 1.8 to 1.3 FAILs against
+    the same drafter's baseline and is NEW, with both names, against another's (in both directions: a
+    stronger drafter once read "+36%, PASS" against a weaker one's baseline)."""
+    project.makepyfile(test_toy=DRAFTER.format(with_={"drafter": "recipe a"}, accept=1.8))
+    run(project, "--perf-update-baselines").assert_outcomes(passed=1)
+    stored = json.loads(next((project.path / "baselines").glob("*.json")).read_text())
+    assert stored["entries"][0]["extra"]["measured_with"] == {"drafter": "recipe a"}
+
+    project.makepyfile(test_toy=DRAFTER.format(with_={"drafter": "recipe a"}, accept=1.3))
+    run(project).assert_outcomes(failed=1)
+
+    project.makepyfile(test_toy=DRAFTER.format(with_={"drafter": "recipe b"}, accept=1.3))
+    r = run(project)
+    r.assert_outcomes(passed=1)
+    dec, run_file = _decisions(project)
+    d = dec["accept_length"]
+    assert d["verdict"] == "NEW" and d["baseline"] is None
+    assert "measured with drafter 'recipe a', this run with 'recipe b': not compared" in d["reason"]
+    assert run_file["results"][0]["baseline_engine_version"] is None
+
+
+def test_a_baseline_that_names_no_drafter_is_compared_and_says_so(project):
+    project.makepyfile(test_toy=DRAFTER.format(with_=None, accept=1.8))
+    run(project, "--perf-update-baselines").assert_outcomes(passed=1)
+    project.makepyfile(test_toy=DRAFTER.format(with_={"drafter": "recipe b"}, accept=1.3))
+    run(project).assert_outcomes(failed=1)
+    dec, _ = _decisions(project)
+    assert dec["accept_length"]["verdict"] == "FAIL"
+    assert "the baseline names no drafter it was measured with" in dec["accept_length"]["reason"]

@@ -363,3 +363,28 @@ def test_score_predicts_the_served_chain_from_the_held_out_rows(tmp_path, monkey
     # measured 1.296 on the 2-core box (served: 1.283); another CPU's fp32 features may flip a few
     # argmaxes, not more: a walk that starts, advances or cuts a chain wrongly moves it by more than 0.05
     assert ch["accept_length"] == pytest.approx(1.296, abs=0.05), ch
+
+
+def test_a_drafter_is_named_alike_served_trained_or_passed_and_a_foreign_one_by_its_bytes(tmp_path):
+    """Baselines name the drafter that measured them (PerfGate.check's ``measured_with``): by the recipe's
+    digests whether the bundle is served, the recipe trained (CI) or the bundle passed with --perf-drafter
+    (its folder or its drafter folder), so a retrain compares with the shipped copy's baseline; a plain
+    checkpoint is named by its weights. The embedded-cpu baselines of the session drafter name the
+    recipe as the run names it now, or the run would report them NEW and gate nothing."""
+    from kimi_perf.eagle3.shipped import drafter_identity, identity_of_checkpoint, recipe_key, served_path
+    from kimi_perf.models.embedded import file_sha256
+
+    _, fp = _target()
+    r = _recipe()
+    src, _ = find_shipped(r, fp)
+    assert src is not None
+    key = recipe_key(r)
+    want = drafter_identity(key)
+    assert want == f"recipe {key['data']}-{key['generation']}-{key['features']}-{key['train']}"
+    assert identity_of_checkpoint(src.root) == identity_of_checkpoint(src.root / "drafter") == want
+    out = served_path(src, root=tmp_path)
+    assert identity_of_checkpoint(out) == "weights " + file_sha256(out / "model.safetensors")[:16]
+    stored = json.loads((ROOT / "baselines" / "embedded-cpu.json").read_text())["entries"]
+    named = {f"{e['key']['scenario']}[{e['key']['engine']}]": e.get("extra", {}).get("measured_with", {}).get("drafter")
+             for e in stored if e["key"]["scenario"] in ("eagle3_acceptance", "eagle3_speedup")}
+    assert named and set(named.values()) == {want}, named

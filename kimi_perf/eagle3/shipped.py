@@ -38,6 +38,7 @@ import argparse
 import json
 import shutil
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -46,8 +47,8 @@ from ..atomic import atomic_write_json
 from ..models.embedded import cache_root, file_lock, file_sha256
 from ..progress import log
 
-__all__ = ["SHIPPED_ROOT", "ShippedDrafter", "ShippedDrafterError", "compare_with_shipped", "export", "find_shipped",
-           "bundle_at", "checkpoint_dir", "install", "materialize", "on_disk", "pack_bundle", "recipe_key", "served_path",
+__all__ = ["SHIPPED_ROOT", "ShippedDrafter", "ShippedDrafterError", "compare_with_shipped", "drafter_identity",
+           "export", "find_shipped", "identity_of_checkpoint", "bundle_at", "checkpoint_dir", "install", "materialize", "on_disk", "pack_bundle", "recipe_key", "served_path",
            "unpack_bundle"]
 
 SHIPPED_ROOT = Path(__file__).resolve().parent / "shipped_drafters"
@@ -78,6 +79,33 @@ def recipe_key(recipe: Any) -> dict[str, str]:
     """The digests the cached pipeline keys its stages by (kimi_perf.eagle3.pipeline.build_drafter)."""
     return {"data": recipe.data.digest(), "generation": recipe.data.generation_digest(),
             "features": recipe.features.digest(), "train": recipe.train.digest()}
+
+
+def drafter_identity(key: Mapping[str, str]) -> str:
+    """How a baseline names the drafter it was measured with, from a recipe key (:func:`recipe_key`, or a
+    bundle manifest's ``recipe_key``): ``recipe DATA-GENERATION-FEATURES-TRAIN``, the digests the cached
+    pipeline's folders carry (``gen-GENERATION/features-FEATURES/drafter-DATA-TRAIN``).
+
+    Why not the fingerprint too: it hashes the converted model's ``config.json``, which the converting
+    library's version rewrites (the same SmolLM2-135M GGUF gives a114c67ab3aea404 on the CPU box and
+    c6777fd6e43c3e90 on the GPU lease), while the key's ``model`` already names the target. Why not the
+    weights' hash: a recipe retrained (CI retrains embedded-cpu's every run) gives other bytes for the
+    same drafter, and the profile's floors are set for that retrain spread."""
+    return f"recipe {key['data']}-{key['generation']}-{key['features']}-{key['train']}"
+
+
+def identity_of_checkpoint(path: str | Path) -> str:
+    """The identity of what ``--perf-drafter`` names: a shipped bundle's recipe (:func:`drafter_identity`),
+    else the sha256 of the weights (``weights <16 hex>``): a checkpoint from elsewhere is known by its
+    bytes (a pipeline drafter's folder too: its report keeps the recipe's settings, not their digests)."""
+    bundle = bundle_at(Path(path))
+    if bundle is not None:
+        return drafter_identity(bundle.manifest["recipe_key"])
+    p = Path(path)
+    weights = sorted(p.glob("*.safetensors"))
+    if not weights:
+        return f"checkpoint {p.name} (no weights to hash)"
+    return "weights " + "+".join(file_sha256(w)[:16] for w in weights)
 
 
 def _read_manifest(m: Path) -> dict[str, Any]:

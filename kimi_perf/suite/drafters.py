@@ -54,6 +54,9 @@ class DrafterHandle:
     # or why there are none (the data is not fetched): only the code-prompt test skips for that
     code_prompts: tuple[tuple[int, ...], ...] = ()
     code_missing: str = ""
+    # what baselines call this drafter (kimi_perf.eagle3.shipped.drafter_identity): a baseline measured
+    # with another one is not compared (PerfGate.check's measured_with)
+    identity: str = ""
 
 
 def _eagle_section(s: Eagle3Settings) -> Eagle3Section:
@@ -96,10 +99,11 @@ def session_drafter(s: Eagle3Settings, target: TargetModel, pool: ServerPool) ->
     steps, n_eval = e.steps, e.eval.prompts
     tok = AutoTokenizer.from_pretrained(str(target.path))
     if s.drafter_path:
-        from kimi_perf.eagle3.shipped import ShippedDrafterError, checkpoint_dir
+        from kimi_perf.eagle3.shipped import ShippedDrafterError, checkpoint_dir, identity_of_checkpoint
 
         try:  # a shipped bundle (its weights stored compressed) is written out once and served from there
             p = checkpoint_dir(s.drafter_path)
+            identity = identity_of_checkpoint(s.drafter_path)
         except ShippedDrafterError as ex:
             raise pytest.UsageError(f"--perf-drafter {s.drafter_path}: {ex}") from None
         if p != Path(s.drafter_path):
@@ -115,7 +119,7 @@ def session_drafter(s: Eagle3Settings, target: TargetModel, pool: ServerPool) ->
         held = [c for c in load_mtbench() if stable_split(c.id, DataConfig.held_out_fraction) == "heldout"]
         prompts = tuple(tuple(chat_prompt_ids(tok, [c.turns[0]])) for c in held[:n_eval])
         _check_prompt_count(s, len(prompts), n_eval, "the stable MT-bench held-out split")
-        return DrafterHandle(p, steps, prompts, None, (), {"source": str(p)}, *code_prompts(s, tok))
+        return DrafterHandle(p, steps, prompts, None, (), {"source": str(p)}, *code_prompts(s, tok), identity=identity)
     from kimi_perf.eagle3.pipeline import build_drafter, heldout_prompts
 
     if e.recipe is None:
@@ -127,7 +131,14 @@ def session_drafter(s: Eagle3Settings, target: TargetModel, pool: ServerPool) ->
         raise pytest.UsageError(f"profile {s.servers.profile_path}: eagle3.recipe: {ex}") from None
     log(f"eagle3: drafter recipe data {recipe.data.digest()}, features {recipe.features.digest()}, "
         f"train {recipe.train.digest()}")
-    from kimi_perf.eagle3.shipped import ShippedDrafterError, compare_with_shipped, find_shipped, install
+    from kimi_perf.eagle3.shipped import (
+        ShippedDrafterError,
+        compare_with_shipped,
+        drafter_identity,
+        find_shipped,
+        install,
+        recipe_key,
+    )
 
     art = None
     try:
@@ -164,7 +175,7 @@ def session_drafter(s: Eagle3Settings, target: TargetModel, pool: ServerPool) ->
         pytest.skip("no held-out MT-bench prompts were generated for evaluation")
     _check_prompt_count(s, len(held_out), n_eval, "the recipe's held-out samples")
     return DrafterHandle(art.path, steps, tuple(tuple(p) for p in held_out), art.feature_dir, art.heldout_ids,
-                         art.report, *code_prompts(s, tok))
+                         art.report, *code_prompts(s, tok), identity=drafter_identity(recipe_key(recipe)))
 
 
 def code_prompts(s: Eagle3Settings, tokenizer: Any) -> tuple[tuple[tuple[int, ...], ...], str]:
