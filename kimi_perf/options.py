@@ -83,9 +83,10 @@ def add_options(parser: pytest.Parser) -> None:
                      "bundle's (kimi_perf/eagle3/shipped_drafters/NAME, written out once into the cache)")
     g.addoption("--perf-train-drafter", action="store_true", default=False,
                 help="train the profile's EAGLE-3 drafter recipe through the cached pipeline even when a drafter "
-                     "shipped with kimi-perf matches it (recipe digests, target fingerprint, file hashes); CI "
-                     "passes it so training stays tested. Without it a matching shipped drafter is served. The reduced "
-                     "matrix's row drafters are served when shipped either way")
+                     "shipped with kimi-perf matches it (recipe digests, target fingerprint, file hashes) or the "
+                     "profile's eagle3.serve names another bundle; CI passes it so training stays tested. Without it "
+                     "eagle3.serve's bundle, else a matching shipped drafter is served. The reduced matrix's row "
+                     "drafters are served when shipped either way")
     g.addoption("--perf-vllm-python", default=None, metavar="PATH",
                 help="python interpreter of the environment that has vLLM (env KIMI_PERF_VLLM_PYTHON; default "
                      ".venv-vllm/bin/python when scripts/setup.sh --full made it)")

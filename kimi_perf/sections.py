@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -185,6 +186,18 @@ class Eagle3Section:
     gated: tuple[str, ...] = _f(("accept_length", "accept_rate_pos0"),
                                 f"metrics gated against baselines, of: {', '.join(EAGLE3_GATEABLE)}")
     matrix: MatrixPlan | None = _f(None, "the extraction-path matrix (kimi_perf.eagle3.matrix.MatrixPlan)")
+    serve: str | None = _f(None, "a drafter bundle shipped in kimi_perf/eagle3/shipped_drafters/ (its folder "
+                                 "name) that the session serves as --perf-drafter would, instead of the recipe's "
+                                 "drafter; --perf-train-drafter trains and serves the recipe's, --perf-drafter "
+                                 "overrides both. Its rows are keyed apart (workload ...@DATA_DIGEST)")
+
+    @property
+    def serve_tag(self) -> str:
+        """What the served bundle's rows carry after ``@`` in their workload key: its data digest (the
+        bundle name's second field), so they and the recipe drafter's rows are two baselines."""
+        if not self.serve:
+            raise ValueError("eagle3.serve is not set")
+        return self.serve.split("-")[1]
 
     def drafter_recipe(self) -> Any:
         """The typed :class:`~kimi_perf.eagle3.pipeline.DrafterRecipe` (imports torch); ValueError when the
@@ -233,8 +246,17 @@ def parse_eagle3(raw: Any, engines: Mapping[str, Any]) -> Eagle3Section | None:
     recipe = raw.get("recipe")
     if recipe is not None:
         recipe = _frozen_json(_object(recipe, "eagle3.recipe"))
+    serve = raw.get("serve")
+    if serve is not None:
+        # checked here, at load, so a typo is a usage error before any server starts; the folder is found
+        # beside this package without importing kimi_perf.eagle3 (torch)
+        shipped = Path(__file__).resolve().parent / "eagle3" / "shipped_drafters"
+        have = sorted(p.name for p in shipped.iterdir() if (p / "MANIFEST.json").is_file()) if shipped.is_dir() else []
+        if not isinstance(serve, str) or serve not in have or len(serve.split("-")) != 4:
+            raise SectionError("eagle3.serve", f"{serve!r} is not a drafter bundle shipped in {shipped}",
+                               f"name one of {have}, or leave it out to serve the recipe's drafter")
     return Eagle3Section(engine=str(eng), engines=listed, steps=steps, recipe=recipe, eval=evs, gated=tuple(gated),
-                         matrix=matrix)
+                         matrix=matrix, serve=serve)
 
 
 # -- alignment -------------------------------------------------------------------------------------------

@@ -86,7 +86,7 @@ def _workload(perf_session, drafter):
     # against; the drafter fixture made sure the run has exactly the prompts it names
     from kimi_perf.keys import eagle3_workload
 
-    return eagle3_workload(perf_session.profile)
+    return eagle3_workload(perf_session.profile, served=drafter.served)
 
 
 def _acceptance_samples(eng, runs, steps):
@@ -190,7 +190,7 @@ def test_acceptance_on_code_prompts(eagle3_engine, eagle3_runs, eagle3_drafter, 
     # prompts yet, and a stored baseline would gate them with a tolerance nobody measured
     why = f"reported, not gated: {n} HumanEval prompts; MT-bench accept length {chat:.3f} on the same server"
     perf_gate.check(scenario=EAGLE3_CODE, engine=eng, model=target_model.name,
-                    workload=eagle3_code_workload(perf_session.profile), concurrency=1, samples=samples, gated=[],
+                    workload=eagle3_code_workload(perf_session.profile, served=eagle3_drafter.served), concurrency=1, samples=samples, gated=[],
                     dependent=list(samples), engine_version=ab.versions.get("spec"), extra=extra,
                     decided=[reported(get_metric(m), v, why) for m, v in samples.items()],
                     measured_with=_measured_with(eagle3_drafter))
@@ -259,7 +259,8 @@ def _stored_and_live(eagle3_drafter, alignment, dtype="bfloat16", n=2):
     from kimi_perf.eagle3.features import FeatureStore
 
     if eagle3_drafter.feature_dir is None:
-        pytest.skip("--perf-drafter was given: no stored features of this session to compare")
+        pytest.skip("the session serves a checkpoint (--perf-drafter or eagle3.serve): no features of this "
+                    "session to compare")
     ids = [i for i in eagle3_drafter.heldout_ids if i in set(FeatureStore(eagle3_drafter.feature_dir).sample_ids)][:n]
     stored = [stored_hidden_states(eagle3_drafter.feature_dir, i) for i in ids]
     srv = alignment.server(dtype)
@@ -311,7 +312,6 @@ def test_layer_mismatch_collapses_acceptance_and_is_named(eagle3_runs, eagle3_dr
         aux_ids_for_engine,
         effective_aux_layers,
     )
-    from kimi_perf.keys import eagle3_workload
     from kimi_perf.metrics import get_metric
     from kimi_perf.stats import reported
 
@@ -366,7 +366,7 @@ def test_layer_mismatch_collapses_acceptance_and_is_named(eagle3_runs, eagle3_dr
            f"x{ratio:.3f} of the correctly served drafter's {good:.3f}; {decided}")
     # recorded before any assertion, so a failing run's report carries the figures that failed it
     perf_gate.check(scenario="eagle3_planted_offset", engine="reference", model=target_model.name,
-                    workload=eagle3_workload(perf_session.profile), concurrency=1,
+                    workload=_workload(perf_session, eagle3_drafter), concurrency=1,
                     samples={"accept_length": [res.accept_length]}, gated=[], dependent=["accept_length"],
                     extra={"correct_accept_length": good, "accepted_drafts_ratio": ratio,
                            "written_ids": list(written), "served_layers": list(served),

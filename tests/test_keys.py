@@ -59,6 +59,31 @@ def test_unreachable_names_why():
     assert "no rule" in unreachable(profile, replace(ok, scenario="brand_new"))
 
 
+def test_a_served_bundles_rows_are_keyed_apart_from_the_recipes():
+    """embedded-cpu serves a shipped bundle (eagle3.serve) in the main job while CI trains the recipe:
+    one key holds one baseline, so the served drafter's rows end ``@DATA_DIGEST`` and both are reachable;
+    another bundle's tag is not."""
+    from dataclasses import replace
+
+    from kimi_perf.keys import eagle3_code_workload
+
+    profile = load_profile(ROOT / "profiles" / "embedded-cpu.json")
+    assert profile.eagle3.serve and profile.eagle3.serve_tag == profile.eagle3.serve.split("-")[1]
+    plain, served = eagle3_workload(profile), eagle3_workload(profile, served=True)
+    assert served == f"{plain}@{profile.eagle3.serve_tag}"
+    key = BaselineKey("eagle3_acceptance", "reference", profile.model.name, "cpu-x86_64-2c", plain, 1)
+    assert unreachable(profile, key) is None
+    assert unreachable(profile, replace(key, workload=served)) is None
+    assert "runs" in unreachable(profile, replace(key, workload=f"{plain}@000000000000"))
+    code = replace(key, scenario=EAGLE3_CODE, workload=eagle3_code_workload(profile, served=True))
+    assert unreachable(profile, code) is None
+    # a profile that serves nothing has the plain keys only
+    bare = replace(profile, eagle3=replace(profile.eagle3, serve=None))
+    assert "runs" in unreachable(bare, replace(key, workload=served))
+    with pytest.raises(ValueError, match="eagle3.serve is not set"):
+        eagle3_workload(bare, served=True)
+
+
 @pytest.mark.parametrize("path", PROFILES, ids=[p.stem for p in PROFILES])
 def test_eagle3_eval_prompts_fit_the_held_out_split(path):
     """The drafter fixture fails a run with fewer held-out prompts than eagle3.eval.prompts (the key

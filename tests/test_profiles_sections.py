@@ -19,6 +19,7 @@ from kimi_perf.sections import (
     Eagle3Eval,
     Eagle3Section,
     NcclSection,
+    SectionError,
     field_docs,
     parse_alignment,
     parse_allreduce,
@@ -66,10 +67,21 @@ def test_bools_are_refused_where_numbers_are_expected_naming_file_and_key(tmp_pa
     ("eagle3", {"eval": {"code_prompts": -1}}, r"eagle3.eval.code_prompts"),
     ("eagle3", {"eval": {"code_prompts": 2.5}}, r"eagle3.eval.code_prompts"),
     ("eagle3", {"eval": {"mismatch_max_accept_ratio": "none"}}, r"eagle3.eval.mismatch_max_accept_ratio"),
+    # a bundle name with a typo: the load fails before any server starts, listing what ships
+    ("eagle3", {"serve": "c6777fd6e43c3e90-002c71e6c1a8"}, r"eagle3.serve: 'c6777fd6e43c3e90-002c71e6c1a8' is not a "
+                                                           r"drafter bundle shipped in .*shipped_drafters"),
+    ("eagle3", {"serve": 3}, r"eagle3.serve: 3 is not a drafter bundle"),
 ])
 def test_section_errors_name_the_key_and_the_fix(tmp_path, section, value, match):
     with pytest.raises(ProfileError, match=match + ".*Fix: "):
         load_profile(_write(tmp_path, "embedded-cpu", **{section: value}))
+
+
+def test_a_mistyped_served_bundle_lists_the_shipped_ones():
+    with pytest.raises(SectionError, match=r"Fix: name one of \[.*'c6777fd6e43c3e90-002c71e6c1a8-03d0b33f6cff-"):
+        parse_eagle3({"serve": "c6777fd6e43c3e90-002c71e6c1a8"}, ENGINES)
+    e = parse_eagle3({"serve": "c6777fd6e43c3e90-002c71e6c1a8-03d0b33f6cff-3657caf90df2"}, ENGINES)
+    assert e.serve_tag == "002c71e6c1a8" and Eagle3Section().serve is None
 
 
 def test_sections_are_typed_with_their_defaults_from_one_place():

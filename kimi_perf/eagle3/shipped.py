@@ -219,10 +219,12 @@ def find_shipped(recipe: Any, target_fingerprint: str, root: Path = SHIPPED_ROOT
 
 
 def install(bundle: ShippedDrafter, recipe: Any, target_dir: Path, target_fingerprint: str, *,
-            root: Path | None = None, heldout_features: bool = True) -> Any:
+            root: Path | None = None, heldout_features: bool | int = True) -> Any:
     """Unpack ``bundle`` into the cache (once) and return it as the pipeline's DrafterArtifact.
     ``heldout_features``: also extract the held-out samples' training-style features (the session
-    drafter's stored-features alignment test reads them; a matrix row's drafter is only served)."""
+    drafter's stored-features alignment test reads them; a matrix row's drafter is only served); a
+    number: the first that many only (a GPU-built bundle holds 189 held-out samples, ~80 s of CPU
+    extraction, where the tests read two)."""
     from .data import read_samples
     from .features import extract_features
     from .pipeline import DrafterArtifact
@@ -239,6 +241,8 @@ def install(bundle: ShippedDrafter, recipe: Any, target_dir: Path, target_finger
             (base / f".{HELDOUT_FILE}.tmp").replace(samples_path)
         report = json.loads((out / "report.json").read_text())
         samples = list(read_samples(samples_path).values())
+        if heldout_features is not True:
+            samples = samples[:int(heldout_features)]
         if heldout_features and not (feat_dir / "COMPLETE").is_file():
             log(f"drafter: extracting training-style features of the {len(samples)} shipped held-out samples "
                 f"(for the stored-features alignment test) into {feat_dir}")

@@ -57,6 +57,8 @@ class DrafterHandle:
     # what baselines call this drafter (kimi_perf.eagle3.shipped.drafter_identity): a baseline measured
     # with another one is not compared (PerfGate.check's measured_with)
     identity: str = ""
+    # the profile's eagle3.serve bundle is served: its rows are keyed apart (kimi_perf.keys.eagle3_workload)
+    served: bool = False
 
 
 def _eagle_section(s: Eagle3Settings) -> Eagle3Section:
@@ -98,19 +100,27 @@ def session_drafter(s: Eagle3Settings, target: TargetModel, pool: ServerPool) ->
         pytest.skip("EAGLE-3 needs real target weights (the profile's model is --load-format dummy)")
     steps, n_eval = e.steps, e.eval.prompts
     tok = AutoTokenizer.from_pretrained(str(target.path))
-    if s.drafter_path:
+    given, what, served = s.drafter_path, "--perf-drafter", False
+    if not given and e.serve and not s.train_drafter:
+        # the profile serves a shipped bundle (built by another recipe, e.g. on a GPU) exactly as
+        # --perf-drafter would; --perf-train-drafter keeps CI training and gating the profile's own recipe
+        from kimi_perf.eagle3.shipped import SHIPPED_ROOT
+
+        given, what, served = str(SHIPPED_ROOT / e.serve), "eagle3.serve", True
+        log(f"drafter: serving eagle3.serve {e.serve}; --perf-train-drafter trains the recipe's drafter instead")
+    if given:
         from kimi_perf.eagle3.shipped import ShippedDrafterError, checkpoint_dir, identity_of_checkpoint
 
         try:  # a shipped bundle (its weights stored compressed) is written out once and served from there
-            p = checkpoint_dir(s.drafter_path)
-            identity = identity_of_checkpoint(s.drafter_path)
+            p = checkpoint_dir(given)
+            identity = identity_of_checkpoint(given)
         except ShippedDrafterError as ex:
-            raise pytest.UsageError(f"--perf-drafter {s.drafter_path}: {ex}") from None
-        if p != Path(s.drafter_path):
-            log(f"drafter: serving the shipped bundle {s.drafter_path}, written out into {p}")
+            raise pytest.UsageError(f"{what} {given}: {ex}") from None
+        if p != Path(given):
+            log(f"drafter: serving the shipped bundle {given}, written out into {p}")
         cfg = p / "config.json"
         if not cfg.is_file() or "LlamaForCausalLMEagle3" not in json.loads(cfg.read_text()).get("architectures", []):
-            raise pytest.UsageError(f"--perf-drafter {p}: not an EAGLE-3 checkpoint (config.json with "
+            raise pytest.UsageError(f"{what} {p}: not an EAGLE-3 checkpoint (config.json with "
                                     "architectures [LlamaForCausalLMEagle3])")
         from kimi_perf.data import chat_prompt_ids, load_mtbench, stable_split
         from kimi_perf.eagle3.data import DataConfig
@@ -119,7 +129,9 @@ def session_drafter(s: Eagle3Settings, target: TargetModel, pool: ServerPool) ->
         held = [c for c in load_mtbench() if stable_split(c.id, DataConfig.held_out_fraction) == "heldout"]
         prompts = tuple(tuple(chat_prompt_ids(tok, [c.turns[0]])) for c in held[:n_eval])
         _check_prompt_count(s, len(prompts), n_eval, "the stable MT-bench held-out split")
-        return DrafterHandle(p, steps, prompts, None, (), {"source": str(p)}, *code_prompts(s, tok), identity=identity)
+        feature_dir, heldout_ids = _served_features(given, target) if served else (None, ())
+        return DrafterHandle(p, steps, prompts, feature_dir, heldout_ids, {"source": str(p)}, *code_prompts(s, tok),
+                             identity=identity, served=served)
     from kimi_perf.eagle3.pipeline import build_drafter, heldout_prompts
 
     if e.recipe is None:
@@ -214,6 +226,28 @@ def generator_config(s: Eagle3Settings, data: Any, target: TargetModel) -> Any:
     except ValueError as e:
         raise pytest.UsageError(f"profile {s.servers.profile_path}: eagle3.recipe.data.{e}") from None
     return engine_config(s.servers, name, target, **over)
+
+
+def _served_features(bundle_dir: str, target: TargetModel, n: int = 4) -> tuple[Path | None, tuple[str, ...]]:
+    """Training-style features of the first ``n`` held-out samples an ``eagle3.serve`` bundle carries, made
+    the way its recipe made them (backend, layers, dtype) on this machine's device, so the stored-features
+    and layer-offset tests check the served drafter as they check a trained one. A foreign
+    ``--perf-drafter`` checkpoint names no recipe, so it gets none and those tests skip."""
+    import torch
+
+    from kimi_perf.eagle3.pipeline import DrafterRecipe
+    from kimi_perf.eagle3.shipped import bundle_at, install
+
+    bundle = bundle_at(Path(bundle_dir))
+    if bundle is None:
+        return None, ()
+    recipe = DrafterRecipe.from_dict(dict(bundle.manifest["recipe"]))
+    # the device is left out of the features digest (kimi_perf.eagle3.features): the same features
+    recipe = replace(recipe, features=replace(recipe.features, device="cuda" if torch.cuda.is_available() else "cpu"))
+    art = install(bundle, recipe, target.path, target.fingerprint, heldout_features=n)
+    from kimi_perf.eagle3.features import FeatureStore
+
+    return art.feature_dir, tuple(FeatureStore(art.feature_dir).sample_ids)
 
 
 def _check_prompt_count(s: Eagle3Settings, have: int, want: int, where: str) -> None:
