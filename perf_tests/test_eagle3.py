@@ -146,7 +146,8 @@ def test_acceptance(eagle3_engine, eagle3_runs, eagle3_drafter, perf_gate, perf_
     perf_gate.check(scenario="eagle3_acceptance", engine=eng, model=target_model.name,
                     workload=_workload(perf_session, eagle3_drafter), concurrency=1, samples=samples,
                     gated=[m for m in wanted if m in samples], dependent=list(samples),
-                    engine_version=ab.versions.get("spec"), extra=extra, measured_with=_measured_with(eagle3_drafter))
+                    engine_version=ab.versions.get("spec"), extra=extra,
+                    measured_with=_measured_with(eagle3_drafter))
     log(f"eagle3 acceptance [{eng}]: " + ", ".join(f"{k} {np.median(v):.3f}" for k, v in samples.items()))
     _, _, min_len = _eval(perf_session)
     med = samples["accept_length"][0]
@@ -190,8 +191,8 @@ def test_acceptance_on_code_prompts(eagle3_engine, eagle3_runs, eagle3_drafter, 
     # prompts yet, and a stored baseline would gate them with a tolerance nobody measured
     why = f"reported, not gated: {n} HumanEval prompts; MT-bench accept length {chat:.3f} on the same server"
     perf_gate.check(scenario=EAGLE3_CODE, engine=eng, model=target_model.name,
-                    workload=eagle3_code_workload(perf_session.profile, served=eagle3_drafter.served), concurrency=1, samples=samples, gated=[],
-                    dependent=list(samples), engine_version=ab.versions.get("spec"), extra=extra,
+                    workload=eagle3_code_workload(perf_session.profile, served=eagle3_drafter.served), concurrency=1,
+                    samples=samples, gated=[], dependent=list(samples), engine_version=ab.versions.get("spec"), extra=extra,
                     decided=[reported(get_metric(m), v, why) for m, v in samples.items()],
                     measured_with=_measured_with(eagle3_drafter))
     log(f"eagle3 acceptance on code [{eng}]: accept length {res.accept_length:.3f} on {n} HumanEval prompts "

@@ -47,9 +47,9 @@ from ..atomic import atomic_write_json
 from ..models.embedded import cache_root, file_lock, file_sha256
 from ..progress import log
 
-__all__ = ["SHIPPED_ROOT", "ShippedDrafter", "ShippedDrafterError", "compare_with_shipped", "drafter_identity",
-           "export", "find_shipped", "identity_of_checkpoint", "bundle_at", "checkpoint_dir", "install", "materialize", "on_disk", "pack_bundle", "recipe_key", "served_path",
-           "unpack_bundle"]
+__all__ = ["SHIPPED_ROOT", "ShippedDrafter", "ShippedDrafterError", "bundle_at", "checkpoint_dir",
+           "compare_with_shipped", "drafter_identity", "export", "find_shipped", "identity_of_checkpoint", "install",
+           "materialize", "on_disk", "pack_bundle", "recipe_key", "served_path", "unpack_bundle"]
 
 SHIPPED_ROOT = Path(__file__).resolve().parent / "shipped_drafters"
 FORMAT = "kimi-perf-shipped-drafter/2"
