@@ -410,3 +410,30 @@ def test_a_served_bundle_gets_its_recipes_features_for_a_few_held_out_samples(tm
     held = [json.loads(line)["id"] for line in (SHIPPED_ROOT / served / "heldout_samples.jsonl").read_text().splitlines()]
     assert set(ids) <= set(held[:4]) and len(held) > 100
     assert _served_features(str(tmp_path), SimpleNamespace(path=path, fingerprint=fp)) == (None, ())
+
+
+def test_a_served_bundle_does_not_stand_in_for_the_matrix_row_of_the_recipes_own_features(tmp_path, monkeypatch):
+    """The reduced matrix compares drafters of one recipe that differ only in their feature path. The
+    session's drafter stands in for the row of the recipe's own features, but not when the session serves
+    ``eagle3.serve``'s bundle (another recipe): then the row gets the recipe's shipped drafter. Served in
+    its place once, the 47K drafter read "hf -> reference 1.782 vs 1.287 for the own-features drafter"."""
+    from types import SimpleNamespace
+
+    from kimi_perf.suite.drafters import DrafterHandle
+    from kimi_perf.suite.matrix import ExtractionMatrix
+
+    path, fp = _target()
+    monkeypatch.setenv("KIMI_PERF_CACHE", str(tmp_path))
+    recipe = _recipe()
+    own, _ = find_shipped(recipe, fp)
+    assert own is not None
+    m = ExtractionMatrix.__new__(ExtractionMatrix)
+    m.recipe, m.target, m._reports = recipe, SimpleNamespace(path=path, fingerprint=fp), {}
+    row = SimpleNamespace(name="hf", describe=lambda: "hf")
+    session = Path("/drafters/session")
+    m.drafter = DrafterHandle(session, 3, (), None, (), {"source": "trained"})
+    assert m._build(row, recipe.features) == session
+    m.drafter = DrafterHandle(session, 3, (), None, (), {"source": "served"}, served=True)
+    got = m._build(row, recipe.features)
+    assert got != session and str(got).startswith(str(tmp_path))
+    assert m._reports["hf"]["shipped"]["bundle"] == own.name

@@ -6,7 +6,8 @@ the full one under ``-m matrix`` share them, and the pipeline's cache shares the
 second run only re-serves). Everything but the extraction path is held fixed: the rows' drafters use
 the profile's ``eagle3.recipe`` with only ``features`` changed, so they train on the same regenerated
 samples with the same seed and vocabulary; a row whose feature spec is the recipe's own is the
-session's drafter (``eagle3_drafter``, shipped or trained) and is not trained again.
+session's drafter (``eagle3_drafter``, shipped or trained) and is not trained again, unless the session
+serves ``eagle3.serve``'s bundle (another recipe): then it is the recipe's own, shipped or trained.
 """
 
 from __future__ import annotations
@@ -174,7 +175,10 @@ class ExtractionMatrix:
         from kimi_perf.eagle3.pipeline import build_drafter
 
         train = self.recipe.train if seed is None else replace(self.recipe.train, seed=seed)
-        if spec.digest() == self.recipe.features.digest() and train == self.recipe.train:
+        # a session that serves eagle3.serve's bundle (another recipe) has no drafter of this recipe to
+        # lend: the row gets the recipe's own (shipped or trained), or the matrix would compare recipes
+        # instead of feature paths (it did once: hf -> reference 1.782 against the reference row's 1.287)
+        if spec.digest() == self.recipe.features.digest() and train == self.recipe.train and not self.drafter.served:
             log(f"matrix: row {row.name} uses the session's drafter ({self.drafter.path})")
             self._reports[row.name] = self.drafter.report
             return self.drafter.path
