@@ -27,7 +27,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -248,9 +247,10 @@ def parse_eagle3(raw: Any, engines: Mapping[str, Any]) -> Eagle3Section | None:
         recipe = _frozen_json(_object(recipe, "eagle3.recipe"))
     serve = raw.get("serve")
     if serve is not None:
-        # checked here, at load, so a typo is a usage error before any server starts; the folder is found
-        # beside this package without importing kimi_perf.eagle3 (torch)
-        shipped = Path(__file__).resolve().parent / "eagle3" / "shipped_drafters"
+        # checked here, at load, so a typo is a usage error before any server starts (kimi_perf.eagle3.shipped
+        # imports no torch)
+        from .eagle3.shipped import SHIPPED_ROOT as shipped
+
         have = sorted(p.name for p in shipped.iterdir() if (p / "MANIFEST.json").is_file()) if shipped.is_dir() else []
         if not isinstance(serve, str) or serve not in have or len(serve.split("-")) != 4:
             raise SectionError("eagle3.serve", f"{serve!r} is not a drafter bundle shipped in {shipped}",
