@@ -208,6 +208,18 @@ class Eagle3Section:
         return DrafterRecipe.from_dict(dict(self.recipe))
 
 
+def _shipped_bundle(name: Any, where: str, otherwise: str) -> None:
+    """``name`` is a drafter bundle shipped in kimi_perf/eagle3/shipped_drafters/ (its folder name).
+    Checked here, at load, so a typo is a usage error before any server starts or any data is made
+    (kimi_perf.eagle3.shipped imports no torch)."""
+    from .eagle3.shipped import SHIPPED_ROOT as shipped
+
+    have = sorted(p.name for p in shipped.iterdir() if (p / "MANIFEST.json").is_file()) if shipped.is_dir() else []
+    if not isinstance(name, str) or name not in have or len(name.split("-")) != 4:
+        raise SectionError(where, f"{name!r} is not a drafter bundle shipped in {shipped}",
+                           f"name one of {have}, {otherwise}")
+
+
 def parse_eagle3(raw: Any, engines: Mapping[str, Any]) -> Eagle3Section | None:
     """The ``eagle3`` section, validated; None for a profile without one (or an empty one)."""
     if raw is None or (isinstance(raw, Mapping) and not raw):
@@ -245,16 +257,13 @@ def parse_eagle3(raw: Any, engines: Mapping[str, Any]) -> Eagle3Section | None:
     recipe = raw.get("recipe")
     if recipe is not None:
         recipe = _frozen_json(_object(recipe, "eagle3.recipe"))
+        train = recipe.get("train")
+        if isinstance(train, Mapping) and train.get("init_from"):
+            _shipped_bundle(train["init_from"], "eagle3.recipe.train.init_from",
+                            "or leave it out to train the drafter from scratch")
     serve = raw.get("serve")
     if serve is not None:
-        # checked here, at load, so a typo is a usage error before any server starts (kimi_perf.eagle3.shipped
-        # imports no torch)
-        from .eagle3.shipped import SHIPPED_ROOT as shipped
-
-        have = sorted(p.name for p in shipped.iterdir() if (p / "MANIFEST.json").is_file()) if shipped.is_dir() else []
-        if not isinstance(serve, str) or serve not in have or len(serve.split("-")) != 4:
-            raise SectionError("eagle3.serve", f"{serve!r} is not a drafter bundle shipped in {shipped}",
-                               f"name one of {have}, or leave it out to serve the recipe's drafter")
+        _shipped_bundle(serve, "eagle3.serve", "or leave it out to serve the recipe's drafter")
     return Eagle3Section(engine=str(eng), engines=listed, steps=steps, recipe=recipe, eval=evs, gated=tuple(gated),
                          matrix=matrix, serve=serve)
 

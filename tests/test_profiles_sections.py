@@ -71,6 +71,9 @@ def test_bools_are_refused_where_numbers_are_expected_naming_file_and_key(tmp_pa
     ("eagle3", {"serve": "c6777fd6e43c3e90-002c71e6c1a8"}, r"eagle3.serve: 'c6777fd6e43c3e90-002c71e6c1a8' is not a "
                                                            r"drafter bundle shipped in .*shipped_drafters"),
     ("eagle3", {"serve": 3}, r"eagle3.serve: 3 is not a drafter bundle"),
+    # a warm start from a bundle that does not ship: refused at load, before any data is made
+    ("eagle3", {"recipe": {"train": {"init_from": "nope"}}},
+     r"eagle3.recipe.train.init_from: 'nope' is not a drafter bundle shipped in .*shipped_drafters"),
 ])
 def test_section_errors_name_the_key_and_the_fix(tmp_path, section, value, match):
     with pytest.raises(ProfileError, match=match + ".*Fix: "):

@@ -1,0 +1,79 @@
+"""``train.init_from``: a recipe trains on from a shipped drafter's weights.
+
+Why these tests: a warm start that silently loaded nothing (or loaded a drafter of another draft
+vocabulary, whose lm_head rows mean other tokens) would train "from the bundle" while starting from
+noise or from garbage, and the only symptom would be a held-out curve a lease later. And the field must
+not change the digest of any recipe written before it, or every shipped bundle would stop applying.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kimi_perf.eagle3.shipped import SHIPPED_ROOT, bundle_at, served_path  # noqa: E402
+from kimi_perf.eagle3.train import TrainConfig, warm_start  # noqa: E402
+from kimi_perf.engines.reference.drafter_model import CHECKPOINT_KEYS, Eagle3Drafter, load_drafter  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+# the embedded-cpu recipe's fp32-trained bundle (the smallest shipped one)
+BUNDLE = "a114c67ab3aea404-9b84de8d53f8-03d0b33f6cff-bca767665699"
+
+
+def _old_digest(cfg: TrainConfig) -> str:
+    d = asdict(cfg)
+    for k in ("checkpoint_every", "log_every", "device", "threads", "init_from"):
+        d.pop(k)
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def test_init_from_keeps_the_digests_of_recipes_without_it_and_changes_theirs_with_it():
+    cfg = TrainConfig(draft_vocab_size=8192, lr=3e-3, epochs=3)
+    assert cfg.digest() == _old_digest(cfg)
+    assert replace(cfg, init_from=BUNDLE).digest() != cfg.digest()
+    # the shipped GPU bundle's name ends in its train digest, which the profile's recipe before the
+    # warm start gave: the field left that recipe's digest alone
+    from kimi_perf.profiles import load_profile
+
+    train = load_profile(ROOT / "profiles" / "h200-embedded.json").eagle3.drafter_recipe().train
+    assert train.init_from and bundle_at(SHIPPED_ROOT / train.init_from) is not None
+    assert replace(train, init_from="", seed=0, lr=0.003).digest() == train.init_from.split("-")[3]
+
+
+def _served(tmp_path, monkeypatch):
+    monkeypatch.setenv("KIMI_PERF_CACHE", str(tmp_path))
+    path = served_path(bundle_at(SHIPPED_ROOT / BUNDLE), root=tmp_path)
+    shipped = load_drafter(path, torch.zeros(49152, 576))
+    return shipped, Eagle3Drafter(shipped.cfg, torch.zeros(49152, 576))
+
+
+def test_a_warm_start_loads_every_tensor_of_the_bundle(tmp_path, monkeypatch):
+    shipped, fresh = _served(tmp_path, monkeypatch)
+    fresh.set_vocab(shipped.d2t, shipped.t2d)
+    assert not torch.equal(fresh.fc.weight, shipped.fc.weight)
+    warm_start(fresh, BUNDLE)
+    want, got = shipped.state_dict(), fresh.state_dict()
+    for k in CHECKPOINT_KEYS:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_a_bundle_of_another_draft_vocabulary_or_name_is_refused_with_the_reason(tmp_path, monkeypatch):
+    shipped, fresh = _served(tmp_path, monkeypatch)
+    d2t = shipped.d2t.clone()
+    d2t[-1] += 1
+    fresh.set_vocab(d2t, shipped.t2d)
+    before = fresh.fc.weight.clone()
+    with pytest.raises(ValueError, match=r"d2t differs \(another draft vocabulary\).*leave init_from out"):
+        warm_start(fresh, BUNDLE)
+    assert torch.equal(fresh.fc.weight, before)  # nothing half-loaded
+    with pytest.raises(ValueError, match=r"'no-such-bundle' is not a drafter bundle shipped in .*shipped: .*" + BUNDLE):
+        warm_start(fresh, "no-such-bundle")
+    small = Eagle3Drafter(replace(shipped.cfg, draft_vocab_size=1024), torch.zeros(49152, 576))
+    with pytest.raises(ValueError, match=r"lm_head.weight: \(\d+, 576\) vs \(1024, 576\)"):
+        warm_start(small, BUNDLE)
