@@ -109,13 +109,22 @@ def session_drafter(s: Eagle3Settings, target: TargetModel, pool: ServerPool) ->
         given, what, served = str(SHIPPED_ROOT / e.serve), "eagle3.serve", True
         log(f"drafter: serving eagle3.serve {e.serve}; --perf-train-drafter trains the recipe's drafter instead")
     if given:
-        from kimi_perf.eagle3.shipped import ShippedDrafterError, checkpoint_dir, identity_of_checkpoint
+        from kimi_perf.eagle3.shipped import (
+            ShippedDrafterError,
+            bundle_at,
+            drafter_identity,
+            identity_of_checkpoint,
+            served_path,
+        )
 
+        # resolved (and its files hashed) once here: the path served, the identity and the served
+        # features below all read this bundle
         try:  # a shipped bundle (its weights stored compressed) is written out once and served from there
-            p = checkpoint_dir(given)
-            identity = identity_of_checkpoint(given)
+            bundle = bundle_at(Path(given))
+            p = served_path(bundle) if bundle is not None else Path(given)
         except ShippedDrafterError as ex:
             raise pytest.UsageError(f"{what} {given}: {ex}") from None
+        identity = drafter_identity(bundle.manifest["recipe_key"]) if bundle is not None else identity_of_checkpoint(p)
         if p != Path(given):
             log(f"drafter: serving the shipped bundle {given}, written out into {p}")
         cfg = p / "config.json"
@@ -129,7 +138,7 @@ def session_drafter(s: Eagle3Settings, target: TargetModel, pool: ServerPool) ->
         held = [c for c in load_mtbench() if stable_split(c.id, DataConfig.held_out_fraction) == "heldout"]
         prompts = tuple(tuple(chat_prompt_ids(tok, [c.turns[0]])) for c in held[:n_eval])
         _check_prompt_count(s, len(prompts), n_eval, "the stable MT-bench held-out split")
-        feature_dir, heldout_ids = _served_features(given, target) if served else (None, ())
+        feature_dir, heldout_ids = _served_features(bundle, target) if served and bundle is not None else (None, ())
         return DrafterHandle(p, steps, prompts, feature_dir, heldout_ids, {"source": str(p)}, *code_prompts(s, tok),
                              identity=identity, served=served)
     from kimi_perf.eagle3.pipeline import build_drafter, heldout_prompts
@@ -228,20 +237,18 @@ def generator_config(s: Eagle3Settings, data: Any, target: TargetModel) -> Any:
     return engine_config(s.servers, name, target, **over)
 
 
-def _served_features(bundle_dir: str, target: TargetModel, n: int = 4) -> tuple[Path | None, tuple[str, ...]]:
+def _served_features(bundle: Any, target: TargetModel, n: int = 4) -> tuple[Path | None, tuple[str, ...]]:
     """Training-style features of the first ``n`` held-out samples an ``eagle3.serve`` bundle carries, made
     the way its recipe made them (backend, layers, dtype) on this machine's device, so the stored-features
-    and layer-offset tests check the served drafter as they check a trained one. A foreign
-    ``--perf-drafter`` checkpoint names no recipe, so it gets none and those tests skip."""
+    and layer-offset tests check the served drafter as they check a trained one. ``bundle``: the
+    verified :class:`~kimi_perf.eagle3.shipped.ShippedDrafter` the caller resolved (a foreign
+    ``--perf-drafter`` checkpoint names no recipe: the caller passes none, and those tests skip)."""
     import torch
 
     from kimi_perf.eagle3.features import FeatureStore
     from kimi_perf.eagle3.pipeline import DrafterRecipe
-    from kimi_perf.eagle3.shipped import bundle_at, install
+    from kimi_perf.eagle3.shipped import install
 
-    bundle = bundle_at(Path(bundle_dir))
-    if bundle is None:
-        return None, ()
     try:
         recipe = DrafterRecipe.from_dict(dict(bundle.manifest["recipe"]))
     except (KeyError, TypeError, ValueError) as ex:  # a bundle of an older recipe format: served, not checked
