@@ -142,6 +142,30 @@ def test_an_installed_bundle_gives_held_out_prompts_and_their_stored_features(tm
     assert SHIPPED_ROOT in bundle.root.parents
 
 
+def test_a_few_held_out_features_are_stored_apart_from_the_whole_set(tmp_path):
+    """The session fixture asks a served bundle for its first few held-out samples' features; ``score``
+    asks for all of them. A partial set stored under the whole set's name was found complete by the
+    second caller, which then scored 4 of 189 samples: each set now has its own folder, and a partial
+    set an earlier version left under the whole name is extracted again."""
+    import shutil
+
+    from kimi_perf.eagle3.features import FeatureStore
+
+    path, fp = _target()
+    recipe = _recipe()
+    bundle, _ = find_shipped(recipe, fp)
+    few = install(bundle, recipe, path, fp, root=tmp_path, heldout_features=2)
+    assert len(FeatureStore(few.feature_dir).sample_ids) == 2
+    whole = install(bundle, recipe, path, fp, root=tmp_path)
+    assert whole.feature_dir != few.feature_dir
+    assert set(FeatureStore(whole.feature_dir).sample_ids) == set(whole.heldout_ids)
+    # an older cache: the partial set under the whole set's name, marked complete
+    shutil.rmtree(whole.feature_dir)
+    shutil.copytree(few.feature_dir, whole.feature_dir)
+    again = install(bundle, recipe, path, fp, root=tmp_path)
+    assert set(FeatureStore(again.feature_dir).sample_ids) == set(whole.heldout_ids)
+
+
 def test_a_trained_drafter_is_compared_with_the_shipped_one_file_by_file(tmp_path):
     """CI trains the recipe (--perf-train-drafter); the fixture then says whether the result is the shipped
     artifact byte for byte (it was, on the box that exported it) or not (reported, never failed)."""
@@ -363,6 +387,23 @@ def test_score_predicts_the_served_chain_from_the_held_out_rows(tmp_path, monkey
     # measured 1.296 on the 2-core box (served: 1.283); another CPU's fp32 features may flip a few
     # argmaxes, not more: a walk that starts, advances or cuts a chain wrongly moves it by more than 0.05
     assert ch["accept_length"] == pytest.approx(1.296, abs=0.05), ch
+
+
+def test_score_takes_a_bundle_by_name_whatever_the_profiles_recipe(tmp_path, monkeypatch, capsys):
+    """``score --bundle NAME`` scores a bundle by the recipe in its manifest: a GPU lease's bundle names
+    another target conversion and, once a recipe warm-starts from it, a recipe the profile has left.
+    Here the CPU bundle is named while the profile is h200-embedded, whose recipe is not the bundle's."""
+    from kimi_perf.eagle3.shipped import main
+
+    monkeypatch.setenv("KIMI_PERF_CACHE", str(tmp_path / "cache"))
+    name = find_shipped(_recipe(), _target()[1])[0].name
+    assert main(["score", "--profile", "h200-embedded", "--bundle", name, "--json", str(tmp_path / "s.json")]) == 0
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert doc["bundle"] == name
+    assert doc["scores"]["mtbench"]["chain"]["accept_length"] == pytest.approx(1.296, abs=0.05)
+    capsys.readouterr()
+    assert main(["score", "--bundle", "no-such-bundle"]) == 1
+    assert "'no-such-bundle' is not a drafter bundle shipped in" in capsys.readouterr().out
 
 
 def test_a_drafter_is_named_alike_served_trained_or_passed_and_a_foreign_one_by_its_bytes(tmp_path):

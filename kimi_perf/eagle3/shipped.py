@@ -226,12 +226,15 @@ def install(bundle: ShippedDrafter, recipe: Any, target_dir: Path, target_finger
     number: the first that many only (a GPU-built bundle holds 189 held-out samples, ~80 s of CPU
     extraction, where the tests read two)."""
     from .data import read_samples
-    from .features import extract_features
+    from .features import FeatureStore, extract_features
     from .pipeline import DrafterArtifact
 
     base = (root or cache_root()) / "eagle3" / target_fingerprint / f"shipped-{bundle.name}"
     samples_path = base / "samples.jsonl"
-    feat_dir = base / f"features-{recipe.features.digest()}"
+    # a partial set (the first n samples) is stored apart from the whole one, so that a later caller
+    # asking for every held-out sample (``score --bundle``) does not find the partial set complete
+    part = "" if heldout_features is True or not heldout_features else f"-first{int(heldout_features)}"
+    feat_dir = base / f"features-{recipe.features.digest()}{part}"
     with file_lock(base.parent / ".pipeline.lock", what="installing the shipped EAGLE-3 drafter"):
         # the drafter is written out where --perf-drafter with the bundle's folder finds it too
         out = served_path(bundle, root)
@@ -243,6 +246,9 @@ def install(bundle: ShippedDrafter, recipe: Any, target_dir: Path, target_finger
         samples = list(read_samples(samples_path).values())
         if heldout_features is not True:
             samples = samples[:int(heldout_features)]
+        if heldout_features and (feat_dir / "COMPLETE").is_file() and \
+                len(FeatureStore(feat_dir).sample_ids) < len(samples):
+            shutil.rmtree(feat_dir)  # a partial set an earlier version stored under the whole set's name
         if heldout_features and not (feat_dir / "COMPLETE").is_file():
             log(f"drafter: extracting training-style features of the {len(samples)} shipped held-out samples "
                 f"(for the stored-features alignment test) into {feat_dir}")
@@ -420,10 +426,33 @@ def unpack_bundle(parts_dir: Path, root: Path = SHIPPED_ROOT) -> Path:
     return dest
 
 
-def _score(recipe: Any, target_dir: Path, fp: str, json_out: Path | None) -> int:
+def _score_bundle(name: str, target_dir: Path, fp: str, json_out: Path | None) -> int:
+    """``score --bundle NAME``: a bundle scored by the recipe in its own manifest, its features made on
+    this machine's device. Why: a bundle built on a GPU lease names the target conversion of that lease
+    (another fingerprint than the CPU box's, :func:`drafter_identity` says why) and a recipe the profile
+    may since have moved on from (a warm start names it in ``init_from``), so :func:`find_shipped` does
+    not find it here, while its prediction is what its served acceptance should be read against."""
+    from dataclasses import replace
+
+    import torch
+
+    from .pipeline import DrafterRecipe
+
+    b = bundle_at(SHIPPED_ROOT / name) if "/" not in name else None
+    if b is None:
+        print(f"error: {name!r} is not a drafter bundle shipped in {SHIPPED_ROOT}")
+        return 1
+    recipe = DrafterRecipe.from_dict(dict(b.manifest["recipe"]))
+    # the device is not part of the features digest (kimi_perf.eagle3.features): the same features
+    recipe = replace(recipe, features=replace(recipe.features, device="cuda" if torch.cuda.is_available() else "cpu"))
+    return _score(recipe, target_dir, fp, json_out, bundle=b)
+
+
+def _score(recipe: Any, target_dir: Path, fp: str, json_out: Path | None, *,
+           bundle: ShippedDrafter | None = None) -> int:
     from .pipeline import score_heldout
 
-    b, why = find_shipped(recipe, fp)
+    b, why = (bundle, "") if bundle is not None else find_shipped(recipe, fp)
     if b is None:
         print(f"error: {why}")
         return 1
@@ -481,6 +510,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="a shipped drafter's teacher-forced held-out scores and the accept length its chain "
                              "walk predicts, by source, without an engine")
     sc.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the scores here")
+    sc.add_argument("--bundle", default=None, metavar="NAME",
+                    help="score this shipped bundle (its folder name) by its own recipe, whatever the profile's "
+                         "recipe is and whichever target conversion built it (a GPU lease's bundle on a CPU box)")
     pk = sub.add_parser("pack", parents=[which, built],
                         help="export a profile's drafter as a bundle cut into parts a lease can return")
     pk.add_argument("--out", type=Path, required=True, help="folder for the parts and drafter-bundle.json")
@@ -510,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
 
         recipe = replace(recipe, features=parse_row(a.row).features_of(recipe.features))
     if a.cmd == "score":
+        if a.bundle:
+            return _score_bundle(a.bundle, model.path, fp, a.json)
         return _score(recipe, model.path, fp, a.json)
     if a.cmd == "check":
         try:
