@@ -406,6 +406,33 @@ def test_score_takes_a_bundle_by_name_whatever_the_profiles_recipe(tmp_path, mon
     assert "'no-such-bundle' is not a drafter bundle shipped in" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("bundle_kind", ["cpu", "gpu"])
+def test_a_drafter_is_measured_on_the_same_prompts_served_by_recipe_or_as_a_bundle(bundle_kind):
+    """--perf-drafter and eagle3.serve take the held-out MT-bench prompts from the stable split, a
+    recipe's drafter from its held-out samples: the two must be the same prompts in the same order, or
+    one drafter reads 1.837 served one way and 2.077 the other (the 47K drafter's predictions on 8
+    prompts x 64 tokens: per prompt acceptance varies that much)."""
+    from transformers import AutoTokenizer
+
+    from kimi_perf.eagle3.pipeline import heldout_prompts
+    from kimi_perf.profiles import load_profile
+    from kimi_perf.suite.drafters import heldout_mtbench_prompts
+
+    path, fp = _target()
+    tok = AutoTokenizer.from_pretrained(str(path))
+    profile = load_profile(ROOT / "profiles" / ("embedded-cpu.json" if bundle_kind == "cpu" else "h200-embedded.json"))
+    name = (find_shipped(_recipe(), fp)[0].name if bundle_kind == "cpu"
+            else "c6777fd6e43c3e90-002c71e6c1a8-03d0b33f6cff-2272382829dc")
+    root = SHIPPED_ROOT / name
+    report = json.loads((root / "drafter" / "report.json").read_text())
+    recipe_side = heldout_prompts(root / "heldout_samples.jsonl", tuple(report["data"]["heldout_ids"]))
+    # the prompts the profile measures (eval.prompts: 8 on the CPU box, 20 on a GPU); the CPU recipe
+    # holds out 12 MT-bench turns, the first 12 of the split, so past its 8 the two sets part
+    n = profile.eagle3.eval.prompts
+    assert len(recipe_side) >= n
+    assert [list(p) for p in heldout_mtbench_prompts(tok, n)] == [list(p) for p in recipe_side[:n]]
+
+
 def test_a_drafter_is_named_alike_served_trained_or_passed_and_a_foreign_one_by_its_bytes(tmp_path):
     """Baselines name the drafter that measured them (PerfGate.check's ``measured_with``): by the recipe's
     digests whether the bundle is served, the recipe trained (CI) or the bundle passed with --perf-drafter

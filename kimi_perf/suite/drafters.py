@@ -131,12 +131,7 @@ def session_drafter(s: Eagle3Settings, target: TargetModel, pool: ServerPool) ->
         if not cfg.is_file() or "LlamaForCausalLMEagle3" not in json.loads(cfg.read_text()).get("architectures", []):
             raise pytest.UsageError(f"{what} {p}: not an EAGLE-3 checkpoint (config.json with "
                                     "architectures [LlamaForCausalLMEagle3])")
-        from kimi_perf.data import chat_prompt_ids, load_mtbench, stable_split
-        from kimi_perf.eagle3.data import DataConfig
-
-        # the held-out fraction a recipe without its own data config uses (one default, DataConfig's)
-        held = [c for c in load_mtbench() if stable_split(c.id, DataConfig.held_out_fraction) == "heldout"]
-        prompts = tuple(tuple(chat_prompt_ids(tok, [c.turns[0]])) for c in held[:n_eval])
+        prompts = heldout_mtbench_prompts(tok, n_eval)
         _check_prompt_count(s, len(prompts), n_eval, "the stable MT-bench held-out split")
         feature_dir, heldout_ids = _served_features(bundle, target) if served and bundle is not None else (None, ())
         return DrafterHandle(p, steps, prompts, feature_dir, heldout_ids, {"source": str(p)}, *code_prompts(s, tok),
@@ -235,6 +230,24 @@ def generator_config(s: Eagle3Settings, data: Any, target: TargetModel) -> Any:
     except ValueError as e:
         raise pytest.UsageError(f"profile {s.servers.profile_path}: eagle3.recipe.data.{e}") from None
     return engine_config(s.servers, name, target, **over)
+
+
+def heldout_mtbench_prompts(tok: Any, n: int) -> tuple[tuple[int, ...], ...]:
+    """The first ``n`` held-out MT-bench first turns, chat templated: what a drafter passed with
+    --perf-drafter or served as a bundle is measured on.
+
+    The held-out fraction is the one a recipe without its own data config uses (one default,
+    DataConfig's), and the order is the one a recipe's drafter is served its held-out prompts in
+    (:func:`kimi_perf.eagle3.pipeline.heldout_prompts`: the sample ids sorted, ``<conversation id>-t1``),
+    so one drafter is measured on the same prompts whichever way it is served. Per prompt acceptance
+    varies widely: the 47K drafter's chain walk predicts 2.077 on the recipe's first 8 prompts x 64
+    tokens and 1.837 on the first 8 in MT-bench's own order, which this path used to take."""
+    from kimi_perf.data import chat_prompt_ids, load_mtbench, stable_split
+    from kimi_perf.eagle3.data import DataConfig
+
+    held = sorted((c for c in load_mtbench() if stable_split(c.id, DataConfig.held_out_fraction) == "heldout"),
+                  key=lambda c: f"{c.id}-t1")
+    return tuple(tuple(chat_prompt_ids(tok, [c.turns[0]])) for c in held[:n])
 
 
 def _served_features(bundle: Any, target: TargetModel, n: int = 4) -> tuple[Path | None, tuple[str, ...]]:
