@@ -208,13 +208,17 @@ class Eagle3Section:
         return DrafterRecipe.from_dict(dict(self.recipe))
 
 
-def _shipped_bundle(name: Any, where: str, otherwise: str) -> None:
-    """``name`` is a drafter bundle shipped in kimi_perf/eagle3/shipped_drafters/ (its folder name).
+def _shipped_bundle(name: Any, where: str, otherwise: str, *, retired_ok: bool = False) -> None:
+    """``name`` is a drafter bundle shipped in kimi_perf/eagle3/shipped_drafters/ (its folder name), or with
+    ``retired_ok`` one retired from the tree (a warm start's parent: the trainer says how to restore it).
     Checked here, at load, so a typo is a usage error before any server starts or any data is made
-    (kimi_perf.eagle3.shipped imports no torch)."""
-    from .eagle3.shipped import SHIPPED_ROOT as shipped
+    (kimi_perf.eagle3.bundle imports no torch)."""
+    from .eagle3.bundle import SHIPPED_ROOT as shipped
+    from .eagle3.bundle import retired
 
     have = sorted(p.name for p in shipped.iterdir() if (p / "MANIFEST.json").is_file()) if shipped.is_dir() else []
+    if retired_ok:
+        have += sorted(retired())
     if not isinstance(name, str) or name not in have or len(name.split("-")) != 4:
         raise SectionError(where, f"{name!r} is not a drafter bundle shipped in {shipped}",
                            f"name one of {have}, {otherwise}")
@@ -260,7 +264,7 @@ def parse_eagle3(raw: Any, engines: Mapping[str, Any]) -> Eagle3Section | None:
         train = recipe.get("train")
         if isinstance(train, Mapping) and train.get("init_from"):
             _shipped_bundle(train["init_from"], "eagle3.recipe.train.init_from",
-                            "or leave it out to train the drafter from scratch")
+                            "or leave it out to train the drafter from scratch", retired_ok=True)
     serve = raw.get("serve")
     if serve is not None:
         _shipped_bundle(serve, "eagle3.serve", "or leave it out to serve the recipe's drafter")

@@ -38,41 +38,43 @@ import argparse
 import json
 import shutil
 import sys
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_write_json
 from ..models.embedded import cache_root, file_lock, file_sha256
 from ..progress import log
+from .bundle import (
+    COMPRESSED,
+    DRAFTER_FILES,
+    FORMAT,
+    HELDOUT_FILE,
+    SHIPPED_ROOT,
+    ShippedDrafter,
+    ShippedDrafterError,
+    bundle_at,
+    checkpoint_dir,
+    drafter_identity,
+    identity_of_checkpoint,
+    manifests,
+    materialize,
+    on_disk,
+    read_manifest,
+    restore,
+    retired,
+    served_path,
+    verify,
+)
 
+# the bundle's own names (kimi_perf.eagle3.bundle) are re-exported: callers keep this one import path
 __all__ = ["SHIPPED_ROOT", "ShippedDrafter", "ShippedDrafterError", "bundle_at", "checkpoint_dir",
            "compare_with_shipped", "drafter_identity", "export", "find_shipped", "identity_of_checkpoint", "install",
-           "materialize", "on_disk", "pack_bundle", "recipe_key", "served_path", "unpack_bundle"]
+           "materialize", "on_disk", "pack_bundle", "recipe_key", "restore", "retired", "served_path", "unpack_bundle",
+           "verify"]
 
-SHIPPED_ROOT = Path(__file__).resolve().parent / "shipped_drafters"
-FORMAT = "kimi-perf-shipped-drafter/2"
-READS = ("kimi-perf-shipped-drafter/1", FORMAT)  # /1: every file stored as trained
-COMPRESSED = ("drafter/model.safetensors",)  # stored as <name>.xz
 PACK_FORMAT = "kimi-perf-drafter-pack/1"
 PACK_NAME = "drafter-bundle"
-DRAFTER_FILES = ("config.json", "model.safetensors", "report.json")
-HELDOUT_FILE = "heldout_samples.jsonl"
-
-
-class ShippedDrafterError(RuntimeError):
-    """A shipped bundle that must not be served (hash mismatch, missing file, bad manifest)."""
-
-
-@dataclass(frozen=True)
-class ShippedDrafter:
-    root: Path
-    manifest: dict[str, Any]
-
-    @property
-    def name(self) -> str:
-        return self.root.name
 
 
 def recipe_key(recipe: Any) -> dict[str, str]:
@@ -81,134 +83,11 @@ def recipe_key(recipe: Any) -> dict[str, str]:
             "features": recipe.features.digest(), "train": recipe.train.digest()}
 
 
-def drafter_identity(key: Mapping[str, str]) -> str:
-    """How a baseline names the drafter it was measured with, from a recipe key (:func:`recipe_key`, or a
-    bundle manifest's ``recipe_key``): ``recipe DATA-GENERATION-FEATURES-TRAIN``, the digests the cached
-    pipeline's folders carry (``gen-GENERATION/features-FEATURES/drafter-DATA-TRAIN``).
-
-    Why not the fingerprint too: it hashes the converted model's ``config.json``, which the converting
-    library's version rewrites (the same SmolLM2-135M GGUF gives a114c67ab3aea404 on the CPU box and
-    c6777fd6e43c3e90 on the GPU lease), while the key's ``model`` already names the target. Why not the
-    weights' hash: a recipe retrained (CI retrains embedded-cpu's every run) gives other bytes for the
-    same drafter, and the profile's floors are set for that retrain spread."""
-    return f"recipe {key['data']}-{key['generation']}-{key['features']}-{key['train']}"
-
-
-def identity_of_checkpoint(path: str | Path) -> str:
-    """The identity of what ``--perf-drafter`` names: a shipped bundle's recipe (:func:`drafter_identity`),
-    else the sha256 of the weights (``weights <16 hex>``): a checkpoint from elsewhere is known by its
-    bytes (a pipeline drafter's folder too: its report keeps the recipe's settings, not their digests)."""
-    bundle = bundle_at(Path(path))
-    if bundle is not None:
-        return drafter_identity(bundle.manifest["recipe_key"])
-    p = Path(path)
-    weights = sorted(p.glob("*.safetensors"))
-    if not weights:
-        return f"checkpoint {p.name} (no weights to hash)"
-    return "weights " + "+".join(file_sha256(w)[:16] for w in weights)
-
-
-def _read_manifest(m: Path) -> dict[str, Any]:
-    try:
-        d = json.loads(m.read_text())
-    except ValueError as ex:
-        raise ShippedDrafterError(f"{m}: not JSON ({ex}); re-export the bundle") from None
-    if d.get("format") not in READS:
-        raise ShippedDrafterError(f"{m}: format {d.get('format')!r}, expected {FORMAT}; re-export the bundle")
-    return d
-
-
-def _manifests(root: Path) -> list[tuple[Path, dict[str, Any]]]:
-    return [(m.parent, _read_manifest(m)) for m in sorted(root.glob("*/MANIFEST.json"))]
-
-
-def on_disk(manifest: dict[str, Any]) -> dict[str, str]:
-    """The bundle's files as stored (a compressed one under its ``.xz`` name) and their sha256."""
-    stored = manifest.get("stored", {})
-    return {(stored[rel]["file"] if rel in stored else rel): (stored[rel]["sha256"] if rel in stored else sha)
-            for rel, sha in manifest.get("files", {}).items()}
-
-
-def verify(bundle: ShippedDrafter) -> None:
-    """Every file of the manifest is there with its sha256 as stored, and nothing the drafter needs is
-    missing (a compressed file's content is checked when it is written out: :func:`materialize`)."""
-    files = dict(bundle.manifest.get("files", {}))
-    need = {*(f"drafter/{f}" for f in DRAFTER_FILES), HELDOUT_FILE}
-    if need - set(files):
-        raise ShippedDrafterError(f"shipped drafter {bundle.root}: manifest lists no {sorted(need - set(files))}; "
-                                  "re-export it (python -m kimi_perf.eagle3.shipped export)")
-    for rel, want in on_disk(bundle.manifest).items():
-        p = bundle.root / rel
-        if not p.is_file():
-            raise ShippedDrafterError(f"shipped drafter {bundle.root}: {rel} is missing (a partial checkout? a Git "
-                                      "LFS pointer?); restore it or pass --perf-train-drafter")
-        got = file_sha256(p)
-        if got != want:
-            raise ShippedDrafterError(f"shipped drafter {bundle.root}: {rel} has sha256 {got[:16]}..., its manifest "
-                                      f"says {want[:16]}...: the file is not the one the recipe built. Restore it "
-                                      "(git checkout), re-export it, or pass --perf-train-drafter")
-
-
-def materialize(bundle: ShippedDrafter, out: Path) -> Path:
-    """Write the bundle's drafter (config, weights, report) into ``out`` as the engines read it, each file
-    checked against the sha256 the recipe's build gave it. Returns ``out``."""
-    import lzma
-
-    files, stored = bundle.manifest["files"], bundle.manifest.get("stored", {})
-    out.mkdir(parents=True, exist_ok=True)
-    for f in DRAFTER_FILES:
-        rel = f"drafter/{f}"
-        tmp = out / f".{f}.tmp"
-        if rel in stored:
-            with lzma.open(bundle.root / stored[rel]["file"]) as src, tmp.open("wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 22)
-        else:
-            shutil.copyfile(bundle.root / rel, tmp)
-        got = file_sha256(tmp)
-        if got != files[rel]:
-            tmp.unlink()
-            raise ShippedDrafterError(f"shipped drafter {bundle.root}: {rel} unpacks to sha256 {got[:16]}..., its "
-                                      f"manifest says {files[rel][:16]}...: re-export the bundle")
-        tmp.replace(out / f)
-    return out
-
-
-def bundle_at(path: Path) -> ShippedDrafter | None:
-    """The verified bundle at ``path`` (its folder, or the ``drafter`` folder inside it), None when
-    ``path`` is not a bundle: ``--perf-drafter`` takes either a checkpoint or a shipped bundle."""
-    path = Path(path)
-    root = path.parent if path.name == "drafter" and (path.parent / "MANIFEST.json").is_file() else path
-    if not (root / "MANIFEST.json").is_file():
-        return None
-    b = ShippedDrafter(root, _read_manifest(root / "MANIFEST.json"))
-    verify(b)
-    return b
-
-
-def served_path(bundle: ShippedDrafter, root: Path | None = None) -> Path:
-    """The bundle's drafter written out once under the cache (``<cache>/eagle3/bundles/<name>/drafter``),
-    where an engine can load it: the weights ship compressed."""
-    out = (root or cache_root()) / "eagle3" / "bundles" / bundle.name / "drafter"
-    with file_lock(out.parent.parent / ".bundles.lock", what="writing out a shipped EAGLE-3 drafter"):
-        if not (out / "COMPLETE").is_file():
-            materialize(bundle, out)
-            (out / "COMPLETE").write_text("shipped\n")
-    return out
-
-
-def checkpoint_dir(path: str | Path) -> Path:
-    """Where to load the drafter ``--perf-drafter`` names: a checkpoint folder as it is, a shipped bundle
-    (its folder or its ``drafter`` folder) written out by :func:`served_path`. Every reader of the
-    option resolves it here, so the server and the alignment plan read the same checkpoint."""
-    bundle = bundle_at(Path(path))
-    return Path(path) if bundle is None else served_path(bundle)
-
-
 def find_shipped(recipe: Any, target_fingerprint: str, root: Path = SHIPPED_ROOT) -> tuple[ShippedDrafter | None, str]:
     """The verified bundle built by ``recipe`` on this target, or None with the reason none applies."""
     want = recipe_key(recipe)
     seen = []
-    for path, m in _manifests(root):
+    for path, m in manifests(root):
         if m.get("target_fingerprint") == target_fingerprint and m.get("recipe_key") == want:
             b = ShippedDrafter(path, m)
             verify(b)
@@ -357,7 +236,7 @@ def pack_bundle(bundle_dir: Path, out_dir: Path, *, part_mib: float = 12.0) -> d
     from ..wheelhouse.parts import pack_parts
 
     bundle_dir, out_dir = Path(bundle_dir), Path(out_dir)
-    manifest = _read_manifest(bundle_dir / "MANIFEST.json")
+    manifest = read_manifest(bundle_dir / "MANIFEST.json")
     b = ShippedDrafter(bundle_dir, manifest)
     verify(b)
     files = [(f"{b.name}/{rel}", bundle_dir / rel) for rel in (*on_disk(manifest), "MANIFEST.json")]
@@ -415,7 +294,7 @@ def unpack_bundle(parts_dir: Path, root: Path = SHIPPED_ROOT) -> Path:
         tar.extractall(tmp, filter="data")
     got = tmp / name
     try:
-        verify(ShippedDrafter(got, _read_manifest(got / "MANIFEST.json")))
+        verify(ShippedDrafter(got, read_manifest(got / "MANIFEST.json")))
     except (ShippedDrafterError, OSError) as ex:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ShippedDrafterError(f"{parts_dir}: the unpacked bundle {name} is not served: {ex}") from None
@@ -518,10 +397,20 @@ def main(argv: list[str] | None = None) -> int:
     pk.add_argument("--out", type=Path, required=True, help="folder for the parts and drafter-bundle.json")
     pk.add_argument("--part-mib", type=float, default=12.0,
                     help="largest part in MiB (default 12: a lease returns files of at most 16 MiB)")
+    rs = sub.add_parser("restore", help="put a bundle retired from the tree (RETIRED.json) back from the history")
+    rs.add_argument("name", help="the retired bundle's folder name")
     up = sub.add_parser("unpack", help="reassemble and verify a packed bundle and put it where the suite finds it")
     up.add_argument("parts_dir", type=Path, help="the folder pack wrote (drafter-bundle.json and its parts)")
     up.add_argument("--into", type=Path, default=SHIPPED_ROOT, help=f"bundle root (default {SHIPPED_ROOT})")
     a = ap.parse_args(argv)
+    if a.cmd == "restore":
+        try:
+            dest = restore(a.name)
+        except ShippedDrafterError as e:
+            print(f"error: {e}")
+            return 1
+        print(f"restored {dest} from commit {retired()[a.name]['commit'][:12]} (untracked: it stays out of the tree)")
+        return 0
     if a.cmd == "unpack":
         try:
             dest = unpack_bundle(a.parts_dir, a.into)
