@@ -47,10 +47,10 @@ set -u
 cmd=${1:-device}
 WH=${WH:-/work/wheelhouse}
 PY=${PY:-.venv/bin/python}
-# h200-embedded's 47K-sample drafter, shipped with kimi-perf: the comparison is of engines serving one
+# h200-embedded's 47K-sample drafter (warm-started, recipe 4), shipped with kimi-perf: the comparison is of engines serving one
 # drafter (profiles/h200-engines.json sources.drafter); DRAFTER=... overrides
 # (its bundle folder: --perf-drafter writes its compressed weights out once)
-DRAFTER=${DRAFTER:-kimi_perf/eagle3/shipped_drafters/c6777fd6e43c3e90-002c71e6c1a8-03d0b33f6cff-3657caf90df2}
+DRAFTER=${DRAFTER:-kimi_perf/eagle3/shipped_drafters/c6777fd6e43c3e90-002c71e6c1a8-03d0b33f6cff-2272382829dc}
 # wheelhouse parts: the working tree travels with every call within 64 MiB, so `prepare` cuts parts that
 # fit beside it (part_size: at most 28 MiB, less once the tree grows; PART=... overrides); `stage` says
 # which carry list still fits (carry_advice). Both in scripts/lease_common.sh
