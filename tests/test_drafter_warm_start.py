@@ -17,9 +17,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kimi_perf.eagle3.shipped import SHIPPED_ROOT, bundle_at, served_path  # noqa: E402
+from kimi_perf.eagle3.shipped import (  # noqa: E402
+    SHIPPED_ROOT,
+    ShippedDrafterError,
+    bundle_at,
+    restore,
+    retired,
+    served_path,
+)
 from kimi_perf.eagle3.train import TrainConfig, warm_start  # noqa: E402
 from kimi_perf.engines.reference.drafter_model import CHECKPOINT_KEYS, Eagle3Drafter, load_drafter  # noqa: E402
+from kimi_perf.profiles import load_profile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # the embedded-cpu recipe's fp32-trained bundle (the smallest shipped one)
@@ -39,11 +47,28 @@ def test_init_from_keeps_the_digests_of_recipes_without_it_and_changes_theirs_wi
     assert replace(cfg, init_from=BUNDLE).digest() != cfg.digest()
     # the shipped GPU bundle's name ends in its train digest, which the profile's recipe before the
     # warm start gave: the field left that recipe's digest alone
-    from kimi_perf.profiles import load_profile
-
     train = load_profile(ROOT / "profiles" / "h200-embedded.json").eagle3.drafter_recipe().train
-    assert train.init_from and bundle_at(SHIPPED_ROOT / train.init_from) is not None
+    # the parent is retired from the tree (RETIRED.json), its name and digests stay
+    assert train.init_from in retired() and not (SHIPPED_ROOT / train.init_from).exists()
     assert replace(train, init_from="", seed=0, lr=0.003).digest() == train.init_from.split("-")[3]
+
+
+def test_a_retired_parent_names_the_restore_and_restore_brings_it_back_verified(tmp_path, monkeypatch):
+    """A warm start's parent retired from the tree (the tree travels with every GPU lease call) fails
+    with the command that restores it, and that command puts back the bundle the manifest names."""
+    import subprocess
+
+    parent = load_profile(ROOT / "profiles" / "h200-embedded.json").eagle3.drafter_recipe().train.init_from
+    with pytest.raises(ValueError, match=rf"retired from the tree .*shipped restore {parent}"):
+        warm_start(None, parent)  # refused before any weight is read
+    commit = retired()[parent]["commit"]
+    if subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}^{{commit}}"], check=False).returncode:
+        pytest.skip(f"this checkout has no commit {commit[:12]} (a shallow clone or a package): nothing to restore")
+    got = restore(parent, into=tmp_path)
+    b = bundle_at(got)
+    assert b is not None and b.name == parent and b.manifest["recipe_key"]["train"] == parent.split("-")[3]
+    with pytest.raises(ShippedDrafterError, match="is not a retired bundle"):
+        restore("no-such-bundle", into=tmp_path)
 
 
 def _served(tmp_path, monkeypatch):

@@ -80,10 +80,20 @@ def test_section_errors_name_the_key_and_the_fix(tmp_path, section, value, match
         load_profile(_write(tmp_path, "embedded-cpu", **{section: value}))
 
 
+def test_a_retired_bundle_may_be_a_warm_starts_parent_but_is_not_served():
+    from kimi_perf.eagle3.shipped import retired
+
+    parent = next(iter(retired()))
+    e = parse_eagle3({"recipe": {"train": {"init_from": parent}}}, ENGINES)
+    assert e.recipe["train"]["init_from"] == parent
+    with pytest.raises(SectionError, match=rf"eagle3.serve: '{parent}' is not a drafter bundle shipped"):
+        parse_eagle3({"serve": parent}, ENGINES)
+
+
 def test_a_mistyped_served_bundle_lists_the_shipped_ones():
-    with pytest.raises(SectionError, match=r"Fix: name one of \[.*'c6777fd6e43c3e90-002c71e6c1a8-03d0b33f6cff-"):
+    with pytest.raises(SectionError, match=r"Fix: name one of \[.*'c6777fd6e43c3e90-002c71e6c1a8-03d0b33f6cff-2272382829dc'"):
         parse_eagle3({"serve": "c6777fd6e43c3e90-002c71e6c1a8"}, ENGINES)
-    e = parse_eagle3({"serve": "c6777fd6e43c3e90-002c71e6c1a8-03d0b33f6cff-3657caf90df2"}, ENGINES)
+    e = parse_eagle3({"serve": "c6777fd6e43c3e90-002c71e6c1a8-03d0b33f6cff-2272382829dc"}, ENGINES)
     assert e.serve_tag == "002c71e6c1a8" and Eagle3Section().serve is None
 
 
