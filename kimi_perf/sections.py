@@ -214,9 +214,9 @@ def _shipped_bundle(name: Any, where: str, otherwise: str, *, retired_ok: bool =
     Checked here, at load, so a typo is a usage error before any server starts or any data is made
     (kimi_perf.eagle3.bundle imports no torch)."""
     from .eagle3.bundle import SHIPPED_ROOT as shipped
-    from .eagle3.bundle import retired
+    from .eagle3.bundle import retired, shipped_names
 
-    have = sorted(p.name for p in shipped.iterdir() if (p / "MANIFEST.json").is_file()) if shipped.is_dir() else []
+    have = shipped_names()
     if retired_ok:
         have += sorted(retired())
     if not isinstance(name, str) or name not in have or len(name.split("-")) != 4:

@@ -23,7 +23,7 @@ from ..models.embedded import cache_root, file_lock, file_sha256
 __all__ = ["COMPRESSED", "DRAFTER_FILES", "FORMAT", "HELDOUT_FILE", "READS", "RETIRED_FILE", "SHIPPED_ROOT",
            "ShippedDrafter", "ShippedDrafterError", "bundle_at", "checkpoint_dir", "drafter_identity",
            "identity_of_checkpoint", "manifests", "materialize", "on_disk", "read_manifest", "restore", "retired",
-           "served_path", "verify"]
+           "served_path", "shipped_names", "verify"]
 
 SHIPPED_ROOT = Path(__file__).resolve().parent / "shipped_drafters"
 RETIRED_FILE = "RETIRED.json"  # beside the bundles: those retired from the tree (:func:`retired`)
@@ -86,7 +86,7 @@ def read_manifest(m: Path) -> dict[str, Any]:
 
 
 def manifests(root: Path) -> list[tuple[Path, dict[str, Any]]]:
-    return [(m.parent, read_manifest(m)) for m in sorted(root.glob("*/MANIFEST.json"))]
+    return [(root / name, read_manifest(root / name / "MANIFEST.json")) for name in shipped_names(root)]
 
 
 def on_disk(manifest: dict[str, Any]) -> dict[str, str]:
@@ -169,6 +169,12 @@ def checkpoint_dir(path: str | Path) -> Path:
     option resolves it here, so the server and the alignment plan read the same checkpoint."""
     bundle = bundle_at(Path(path))
     return Path(path) if bundle is None else served_path(bundle)
+
+
+def shipped_names(root: Path = SHIPPED_ROOT) -> list[str]:
+    """The folder names of the bundles under ``root`` (those with a manifest), sorted; no file is read or
+    hashed, so the profile loader can list them at load."""
+    return sorted(m.parent.name for m in Path(root).glob("*/MANIFEST.json"))
 
 
 def retired(root: Path = SHIPPED_ROOT) -> dict[str, dict[str, str]]:

@@ -388,16 +388,15 @@ def warm_start(model: Eagle3Drafter, bundle_name: str) -> None:
     from safetensors.torch import load_file
 
     from ..engines.reference.drafter_model import CHECKPOINT_KEYS
-    from .bundle import SHIPPED_ROOT, bundle_at, retired, served_path
+    from .bundle import SHIPPED_ROOT, bundle_at, retired, served_path, shipped_names
 
     bundle = bundle_at(SHIPPED_ROOT / bundle_name) if bundle_name and "/" not in bundle_name else None
     if bundle is None and bundle_name in retired():
         raise ValueError(f"train.init_from {bundle_name} was retired from the tree (kimi_perf/eagle3/shipped_drafters/"
                          f"RETIRED.json): put it back with python -m kimi_perf.eagle3.shipped restore {bundle_name}")
     if bundle is None:
-        have = sorted(p.parent.name for p in SHIPPED_ROOT.glob("*/MANIFEST.json"))
         raise ValueError(f"train.init_from {bundle_name!r} is not a drafter bundle shipped in {SHIPPED_ROOT} "
-                         f"(shipped: {', '.join(have) or 'none'})")
+                         f"(shipped: {', '.join(shipped_names()) or 'none'})")
     path = served_path(bundle)
     sd = load_file(str(path / "model.safetensors"))
     own = model.state_dict()
