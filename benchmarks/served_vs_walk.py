@@ -19,7 +19,6 @@ import argparse
 import json
 import threading
 import time
-from dataclasses import replace
 
 import torch
 
@@ -36,8 +35,8 @@ def main() -> None:
     a = ap.parse_args()
     from kimi_perf.eagle3.data import read_samples
     from kimi_perf.eagle3.features import FeaturePath, FeatureSample
-    from kimi_perf.eagle3.pipeline import DrafterRecipe, load_target_tensors, vocab_maps_of
-    from kimi_perf.eagle3.shipped import SHIPPED_ROOT, bundle_at, install
+    from kimi_perf.eagle3.pipeline import load_target_tensors, vocab_maps_of
+    from kimi_perf.eagle3.shipped import SHIPPED_ROOT, bundle_at, bundle_recipe, install
     from kimi_perf.eagle3.train import _collate, chain_walk
     from kimi_perf.engines.reference.drafter_model import load_drafter
     from kimi_perf.engines.reference.drafting import DrafterRuntime
@@ -50,8 +49,7 @@ def main() -> None:
     m = ensure_embedded_model()
     fp = model_fingerprint(m.path)
     b = bundle_at(SHIPPED_ROOT / a.bundle)
-    recipe = DrafterRecipe.from_dict(dict(b.manifest["recipe"]))
-    recipe = replace(recipe, features=replace(recipe.features, device=dev))
+    recipe = bundle_recipe(b)
     art = install(b, recipe, m.path, fp, heldout_features=False)
     samples = read_samples(art.samples_path)
     ids = [i for i in art.heldout_ids if samples[i].source == "mtbench" and i.endswith("-t1")][:a.prompts]

@@ -69,7 +69,7 @@ from .bundle import (
 
 # the bundle's own names (kimi_perf.eagle3.bundle) are re-exported: callers keep this one import path
 __all__ = ["SHIPPED_ROOT", "ShippedDrafter", "ShippedDrafterError", "bundle_at", "checkpoint_dir",
-           "compare_with_shipped", "drafter_identity", "export", "find_shipped", "identity_of_checkpoint", "install",
+           "bundle_recipe", "compare_with_shipped", "drafter_identity", "export", "find_shipped", "identity_of_checkpoint", "install",
            "materialize", "on_disk", "pack_bundle", "recipe_key", "restore", "retired", "served_path", "unpack_bundle",
            "verify"]
 
@@ -305,26 +305,31 @@ def unpack_bundle(parts_dir: Path, root: Path = SHIPPED_ROOT) -> Path:
     return dest
 
 
-def _score_bundle(name: str, target_dir: Path, fp: str, json_out: Path | None) -> int:
-    """``score --bundle NAME``: a bundle scored by the recipe in its own manifest, its features made on
-    this machine's device. Why: a bundle built on a GPU lease names the target conversion of that lease
-    (another fingerprint than the CPU box's, :func:`drafter_identity` says why) and a recipe the profile
-    may since have moved on from (a warm start names it in ``init_from``), so :func:`find_shipped` does
-    not find it here, while its prediction is what its served acceptance should be read against."""
+def bundle_recipe(bundle: ShippedDrafter) -> Any:
+    """The :class:`~kimi_perf.eagle3.pipeline.DrafterRecipe` in ``bundle``'s manifest, its features made on
+    this machine's device (the device is left out of the features digest, kimi_perf.eagle3.features: the
+    same features). Raises KeyError, TypeError or ValueError for a manifest of an older recipe format."""
     from dataclasses import replace
 
     import torch
 
     from .pipeline import DrafterRecipe
 
+    recipe = DrafterRecipe.from_dict(dict(bundle.manifest["recipe"]))
+    return replace(recipe, features=replace(recipe.features, device="cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def _score_bundle(name: str, target_dir: Path, fp: str, json_out: Path | None) -> int:
+    """``score --bundle NAME``: a bundle scored by the recipe in its own manifest, its features made on
+    this machine's device. Why: a bundle built on a GPU lease names the target conversion of that lease
+    (another fingerprint than the CPU box's, :func:`drafter_identity` says why) and a recipe the profile
+    may since have moved on from (a warm start names it in ``init_from``), so :func:`find_shipped` does
+    not find it here, while its prediction is what its served acceptance should be read against."""
     b = bundle_at(SHIPPED_ROOT / name) if "/" not in name else None
     if b is None:
         print(f"error: {name!r} is not a drafter bundle shipped in {SHIPPED_ROOT}")
         return 1
-    recipe = DrafterRecipe.from_dict(dict(b.manifest["recipe"]))
-    # the device is not part of the features digest (kimi_perf.eagle3.features): the same features
-    recipe = replace(recipe, features=replace(recipe.features, device="cuda" if torch.cuda.is_available() else "cpu"))
-    return _score(recipe, target_dir, fp, json_out, bundle=b)
+    return _score(bundle_recipe(b), target_dir, fp, json_out, bundle=b)
 
 
 def _score(recipe: Any, target_dir: Path, fp: str, json_out: Path | None, *,

@@ -256,19 +256,15 @@ def _served_features(bundle: Any, target: TargetModel, n: int = 4) -> tuple[Path
     and layer-offset tests check the served drafter as they check a trained one. ``bundle``: the
     verified :class:`~kimi_perf.eagle3.shipped.ShippedDrafter` the caller resolved (a foreign
     ``--perf-drafter`` checkpoint names no recipe: the caller passes none, and those tests skip)."""
-    import torch
 
     from kimi_perf.eagle3.features import FeatureStore
-    from kimi_perf.eagle3.pipeline import DrafterRecipe
-    from kimi_perf.eagle3.shipped import install
+    from kimi_perf.eagle3.shipped import bundle_recipe, install
 
     try:
-        recipe = DrafterRecipe.from_dict(dict(bundle.manifest["recipe"]))
+        recipe = bundle_recipe(bundle)
     except (KeyError, TypeError, ValueError) as ex:  # a bundle of an older recipe format: served, not checked
         log(f"drafter: {bundle.name}'s manifest recipe does not load here ({ex}): no features to compare")
         return None, ()
-    # the device is left out of the features digest (kimi_perf.eagle3.features): the same features
-    recipe = replace(recipe, features=replace(recipe.features, device="cuda" if torch.cuda.is_available() else "cpu"))
     art = install(bundle, recipe, target.path, target.fingerprint, heldout_features=n)
     return art.feature_dir, tuple(FeatureStore(art.feature_dir).sample_ids)
 
