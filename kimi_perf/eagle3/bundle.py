@@ -49,8 +49,9 @@ class ShippedDrafter:
 
 
 def drafter_identity(key: Mapping[str, str]) -> str:
-    """How a baseline names the drafter it was measured with, from a recipe key (:func:`recipe_key`, or a
-    bundle manifest's ``recipe_key``): ``recipe DATA-GENERATION-FEATURES-TRAIN``, the digests the cached
+    """How a baseline names the drafter it was measured with, from a recipe key
+    (:func:`kimi_perf.eagle3.shipped.recipe_key`, which needs the pipeline this module stays clear of, or
+    a bundle manifest's ``recipe_key``): ``recipe DATA-GENERATION-FEATURES-TRAIN``, the digests the cached
     pipeline's folders carry (``gen-GENERATION/features-FEATURES/drafter-DATA-TRAIN``).
 
     Why not the fingerprint too: it hashes the converted model's ``config.json``, which the converting
