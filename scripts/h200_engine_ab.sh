@@ -35,7 +35,8 @@
 # Environment: ENGINE (sglang|vllm), VARIANTS (default: same and the profile's variants of ENGINE),
 # NEXT_VARIANTS (replaces the list of the running job from its next A/B on; NAME@key=json,... runs
 # NAME with those profile overrides, e.g. same@pin_cpus=true or same@engines.sglang.sleep_on_idle=false;
-# the token `align` runs the engine's alignment tests on identical code instead of an A/B, and `repro`
+# the token `align` runs the engine's alignment tests on identical code instead of an A/B, `eagle` its
+# EAGLE-3 tests (acceptance, code prompts, speedup vs no-spec) serving $DRAFTER, and `repro`
 # (vLLM) the standalone reproduction of its decode-path capture fault),
 # PYTEST_ARGS (extra pytest arguments, shell-quoted: "-k 'accept_length or alignment'"; "-k throughput"
 # when only speed fits the lease), WAIT (seconds this call waits on the job, default 480; never past
@@ -305,6 +306,13 @@ PY
       python3 scripts/repro_vllm_decode_capture.py --python "/tmp/$engine-python" --model "$model" \
         --layers 2,15,27,30 --max-tokens 32 --extra "--gpu-memory-utilization 0.3" \
         2>&1 | tee "$rep/pytest.log"
+    elif [ "$base" = eagle ]; then
+      # not an A/B: the engine's EAGLE-3 tests of h200-engines on identical code, serving $DRAFTER
+      # (acceptance on MT-bench and HumanEval, speedup vs no-spec), as a GPU job gating a drafter runs them
+      echo "[job] $engine EAGLE-3 tests ($v): start ($(date -u +%H:%M:%S))"
+      python3 -m pytest -m "perf and eagle" -p no:cacheprovider perf_tests/test_eagle3.py --perf-engine "$engine" \
+        -k "test_acceptance or test_speedup" --perf-profile "$prof" "--perf-$engine-python" "/tmp/$engine-python" \
+        --perf-drafter "$DRAFTER" --perf-report-dir "$rep" --perf-history off -rA 2>&1 | tee "$rep/pytest.log"
     elif [ "$base" = align ]; then
       # not an A/B: the engine's alignment tests on identical code (vs transformers, and vLLM's
       # decode-path check), as a GPU job gating on alignment runs them; PYTEST_ARGS are the A/Bs'
