@@ -10,8 +10,17 @@ with the recipe's features of prompt + output (transformers, as in training), so
 serving path's. Measured on an H100 (benchmarks/served-vs-walk/h100-47k-20261207.json): served 1.946,
 walk on the same tokens 1.946, in all three modes; transformers' argmax equals every emitted token.
 
+``--url`` does the same for any running speculative server that serves the bundle (vLLM, SGLang, the
+reference engine): the same prompts, greedy, token ids in and out (vLLM's ``/v1/completions`` with
+``return_token_ids``, else the SGLang-native ``/generate``), served acceptance from the engine's own
+counters (``vllm:spec_decode_*`` on ``/metrics``, else SGLang's per-request ``spec_verify_ct``), then the
+walk on what it emitted. Why: vLLM's CPU build accepted 2.299 where the reference engine accepted 2.124
+on the same 8 prompts; only a walk on each engine's own tokens says whether a serving path loses
+acceptance or the engines wrote other continuations.
+
 Usage: python benchmarks/served_vs_walk.py --bundle NAME [--prompts 20 --max-new 96 --modes eager,graphs,graphs+drafter
 --dtype bfloat16 --json OUT]  (on a lease: PYTHONPATH=/tmp/site-model:$PWD KIMI_PERF_CACHE=/tmp/kcache)
+       python benchmarks/served_vs_walk.py --bundle NAME --url http://127.0.0.1:8000 [--prompts 8 --max-new 64]
 """
 from __future__ import annotations
 
@@ -19,6 +28,8 @@ import argparse
 import json
 import threading
 import time
+import urllib.request
+from typing import Any
 
 import torch
 
@@ -32,6 +43,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--url", default=None, help="a running speculative server serving the bundle: walk on its tokens")
     a = ap.parse_args()
     from kimi_perf.eagle3.data import read_samples
     from kimi_perf.eagle3.features import FeaturePath, FeatureSample
@@ -60,7 +72,34 @@ def main() -> None:
     path = FeaturePath(recipe.features, m.path, max_len=2048)
     report = {"bundle": a.bundle, "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
               "dtype": a.dtype, "prompts": ids, "max_new": a.max_new, "modes": {}}
-    for mode in a.modes.split(","):
+    def walk(outputs: dict[str, list[int]]) -> dict[str, Any]:
+        """The chain walk (teacher-forced, 3 steps, top-1) on each prompt + the tokens served for it,
+        with the recipe's features of that sequence, and how often transformers' argmax is the served token."""
+        walked: list[int] = []
+        agree = total = 0
+        for rid, o in outputs.items():
+            p = list(samples[rid].prompt_ids)
+            (aux, final, am), = path.batch([p + o])
+            mask = torch.tensor([False] * len(p) + [True] * len(o))
+            fs = FeatureSample(rid, torch.tensor(p + o, device=aux.device), mask.to(aux.device), aux, final, am)
+            x, tok, tl, valid = _collate([fs], t2d.bool(), lm_rows, torch.device(dev), torch.float32)
+            with torch.no_grad(), torch.autocast(device_type=dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
+                out = model.ttt(x, tok, tl, valid, 3, keep_hits=True)
+            walked += chain_walk([h[0].tolist() for h in out.step_hits], mask.tolist(), 3)
+            amx = am.tolist()
+            agree += sum(int(amx[len(p) - 1 + i] == o[i]) for i in range(len(o)))
+            total += len(o)
+        return {"walk": 1 + sum(walked) / len(walked),
+                "walk_per_pos": [sum(x > j for x in walked) / len(walked) for j in range(3)],
+                "hf_argmax_agrees": agree / total, "tokens": total}
+
+    if a.url:
+        t0 = time.monotonic()
+        outputs, served = serve_url(a.url, {i: list(samples[i].prompt_ids) for i in ids}, a.max_new)
+        row = {**served, **walk(outputs), "seconds": time.monotonic() - t0}
+        report["modes"][f"url:{served['engine']}"] = row
+        show(f"{served['engine']} at {a.url}", row)
+    for mode in ([] if a.url else a.modes.split(",")):
         t0 = time.monotonic()
         runner = LlamaRunner.from_pretrained(m.path, device=dev, dtype=dtype, max_slots=a.batch, max_len=1024)
         dr = DrafterRuntime.from_pretrained(art.path, runner)
@@ -90,35 +129,75 @@ def main() -> None:
         ver = sum(q.spec_verify_ct for q in seqs)
         acc = sum(q.spec_accepted for q in seqs)
         per = [sum(q.spec_accepted_per_pos[j] for q in seqs) / ver for j in range(3)]
-        walked: list[int] = []
-        agree = total = 0
-        for q in seqs:
-            p, o = list(samples[q.rid].prompt_ids), list(q.output)
-            (aux, final, am), = path.batch([p + o])
-            mask = torch.tensor([False] * len(p) + [True] * len(o))
-            fs = FeatureSample(q.rid, torch.tensor(p + o, device=aux.device), mask.to(aux.device), aux, final, am)
-            x, tok, tl, valid = _collate([fs], t2d.bool(), lm_rows, torch.device(dev), torch.float32)
-            with torch.no_grad(), torch.autocast(device_type=dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
-                out = model.ttt(x, tok, tl, valid, 3, keep_hits=True)
-            walked += chain_walk([h[0].tolist() for h in out.step_hits], mask.tolist(), 3)
-            amx = am.tolist()
-            agree += sum(int(amx[len(p) - 1 + i] == o[i]) for i in range(len(o)))
-            total += len(o)
-        wp = [sum(x > j for x in walked) / len(walked) for j in range(3)]
         row = {"served": 1 + acc / ver, "served_per_pos": per, "verify_steps": ver,
-               "walk": 1 + sum(walked) / len(walked), "walk_per_pos": wp, "hf_argmax_agrees": agree / total,
+               **walk({q.rid: list(q.output) for q in seqs}),
                "drafter_graph_replays": getattr(dr.graphs, "replays", None), "seconds": time.monotonic() - t0}
         report["modes"][mode] = row
-        print(f"{mode}: served {row['served']:.3f} ({' / '.join(f'{v:.3f}' for v in per)}), walk on the same tokens "
-              f"{row['walk']:.3f} ({' / '.join(f'{v:.3f}' for v in wp)}), hf argmax = served token "
-              f"{row['hf_argmax_agrees']:.3f}, drafter graph replays {row['drafter_graph_replays']}, "
-              f"{row['seconds']:.0f} s", flush=True)
+        show(mode, row)
         del eng, dr, runner
         if dev == "cuda":
             torch.cuda.empty_cache()
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)
+
+
+def show(name: str, row: dict[str, Any]) -> None:
+    per, wp = row["served_per_pos"], row["walk_per_pos"]
+    print(f"{name}: served {row['served']:.3f} ({' / '.join(f'{v:.3f}' for v in per) or 'no per-position counts'}), "
+          f"walk on the same tokens {row['walk']:.3f} ({' / '.join(f'{v:.3f}' for v in wp)}), hf argmax = served "
+          f"token {row['hf_argmax_agrees']:.3f} over {row['tokens']} tokens, drafter graph replays "
+          f"{row.get('drafter_graph_replays')}, {row['seconds']:.0f} s", flush=True)
+
+
+def _post(url: str, body: dict[str, Any]) -> Any:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=1800) as r:
+        return json.loads(r.read())
+
+
+def serve_url(url: str, prompts: dict[str, list[int]], max_new: int) -> tuple[dict[str, list[int]], dict[str, Any]]:
+    """Greedy generation of each prompt by a running server, one at a time (as the suite's acceptance
+    test runs it), stopping at EOS: the token ids it emitted and its own acceptance over them.
+
+    Token ids, not text: a walk on re-tokenized text would read other tokens than the engine verified.
+    vLLM returns them from ``/v1/completions`` with ``return_token_ids``; SGLang and the reference engine
+    from ``/generate`` (``output_ids``). Acceptance: the ``vllm:spec_decode_*`` counters around the pass
+    (vLLM and the reference engine), else the sum of SGLang's per-request ``spec_verify_ct``."""
+    from kimi_perf.eagle3.evaluate import _get_json, _server_kind, read_spec_counters
+
+    base = url.rstrip("/")
+    kind = _server_kind(_get_json(base + "/server_info", None))
+    kind = "vllm" if kind == "other" else kind
+    before = read_spec_counters(base)
+    outputs: dict[str, list[int]] = {}
+    verify = 0
+    if kind == "vllm":
+        model = _get_json(base + "/v1/models", None)["data"][0]["id"]
+        for rid, p in prompts.items():
+            r = _post(base + "/v1/completions", {"model": model, "prompt": p, "max_tokens": max_new,
+                                                  "temperature": 0.0, "return_token_ids": True})
+            outputs[rid] = list(r["choices"][0]["token_ids"])
+    else:
+        for rid, p in prompts.items():
+            r = _post(base + "/generate", {"input_ids": p, "sampling_params": {"max_new_tokens": max_new,
+                                                                                "temperature": 0.0}})
+            outputs[rid] = list(r["output_ids"])
+            verify += int(r["meta_info"].get("spec_verify_ct") or 0)
+    after = read_spec_counters(base)
+    tokens = sum(len(o) for o in outputs.values())
+    if before is not None and after is not None:
+        d = after - before
+        served = {"served": 1 + d.accepted / d.drafts, "served_per_pos": [x / d.drafts for x in d.per_pos[:3]],
+                  "verify_steps": d.drafts, "source": "vllm:spec_decode_* counters"}
+    elif verify:
+        # SGLang's verify steps include the one after the last accepted token: tokens / steps is its
+        # accept length (bonus token included), as the suite's acceptance test reads it
+        served = {"served": tokens / verify, "served_per_pos": [], "verify_steps": verify,
+                  "source": "SGLang meta_info spec_verify_ct"}
+    else:
+        raise SystemExit(f"{url}: no speculative counters (vllm:spec_decode_* or spec_verify_ct): is it serving a drafter?")
+    return outputs, {"engine": kind, **served}
 
 
 if __name__ == "__main__":
