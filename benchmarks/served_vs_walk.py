@@ -13,7 +13,7 @@ walk on the same tokens 1.946, in all three modes; transformers' argmax equals e
 ``--url`` does the same for any running speculative server that serves the bundle (vLLM, SGLang, the
 reference engine): the same prompts, greedy, token ids in and out (vLLM's ``/v1/completions`` with
 ``return_token_ids``, else the SGLang-native ``/generate``), served acceptance from the engine's own
-counters (``vllm:spec_decode_*`` on ``/metrics``, else SGLang's per-request ``spec_verify_ct``), then the
+counters (``vllm:spec_decode_*`` on ``/metrics``, else SGLang's per-request ``meta_info``), then the
 walk on what it emitted. Why: vLLM's CPU build accepted 2.299 where the reference engine accepted 2.124
 on the same 8 prompts; only a walk on each engine's own tokens says whether a serving path loses
 acceptance or the engines wrote other continuations.
@@ -163,15 +163,17 @@ def serve_url(url: str, prompts: dict[str, list[int]], max_new: int) -> tuple[di
     Token ids, not text: a walk on re-tokenized text would read other tokens than the engine verified.
     vLLM returns them from ``/v1/completions`` with ``return_token_ids``; SGLang and the reference engine
     from ``/generate`` (``output_ids``). Acceptance: the ``vllm:spec_decode_*`` counters around the pass
-    (vLLM and the reference engine), else the sum of SGLang's per-request ``spec_verify_ct``."""
-    from kimi_perf.eagle3.evaluate import _get_json, _server_kind, read_spec_counters
+    (vLLM and the reference engine), else SGLang's per-request ``meta_info`` summed, as the suite's
+    acceptance test sums it (:func:`kimi_perf.eagle3.evaluate.sglang_acceptance`)."""
+    from kimi_perf.eagle3.evaluate import _get_json, _server_kind, read_spec_counters, sglang_acceptance
+    from kimi_perf.engines.sglang import parse_generate_response
 
     base = url.rstrip("/")
     kind = _server_kind(_get_json(base + "/server_info", None))
     kind = "vllm" if kind == "other" else kind
     before = read_spec_counters(base)
     outputs: dict[str, list[int]] = {}
-    verify = 0
+    records = []
     if kind == "vllm":
         model = _get_json(base + "/v1/models", None)["data"][0]["id"]
         for rid, p in prompts.items():
@@ -180,23 +182,21 @@ def serve_url(url: str, prompts: dict[str, list[int]], max_new: int) -> tuple[di
             outputs[rid] = list(r["choices"][0]["token_ids"])
     else:
         for rid, p in prompts.items():
-            r = _post(base + "/generate", {"input_ids": p, "sampling_params": {"max_new_tokens": max_new,
-                                                                                "temperature": 0.0}})
-            outputs[rid] = list(r["output_ids"])
-            verify += int(r["meta_info"].get("spec_verify_ct") or 0)
+            rec = parse_generate_response(_post(base + "/generate", {
+                "input_ids": p, "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0}}))[0]
+            outputs[rid] = list(rec["output_ids"])
+            records.append(rec)
     after = read_spec_counters(base)
-    tokens = sum(len(o) for o in outputs.values())
     if before is not None and after is not None:
-        d = after - before
-        served = {"served": 1 + d.accepted / d.drafts, "served_per_pos": [x / d.drafts for x in d.per_pos[:3]],
-                  "verify_steps": d.drafts, "source": "vllm:spec_decode_* counters"}
-    elif verify:
-        # SGLang's verify steps include the one after the last accepted token: tokens / steps is its
-        # accept length (bonus token included), as the suite's acceptance test reads it
-        served = {"served": tokens / verify, "served_per_pos": [], "verify_steps": verify,
-                  "source": "SGLang meta_info spec_verify_ct"}
+        d, source = after - before, "vllm:spec_decode_* counters"
+    elif any("spec_verify_ct" in r for r in records):
+        # SGLang's per-request meta_info, summed and read as the suite's acceptance test reads it (1 +
+        # correct drafts per verify step; per position from the histogram of correct drafts)
+        d, source = sglang_acceptance(records).counters(), "SGLang meta_info"
     else:
         raise SystemExit(f"{url}: no speculative counters (vllm:spec_decode_* or spec_verify_ct): is it serving a drafter?")
+    served = {"served": 1 + d.accepted / d.drafts, "served_per_pos": [x / d.drafts for x in d.per_pos[:3]],
+              "verify_steps": d.drafts, "source": source}
     return outputs, {"engine": kind, **served}
 
 

@@ -22,8 +22,10 @@ import pytest
 pytest.importorskip("torch")  # the script imports it at the top (its in-process modes need it)
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = {"p1": [1, 2, 3], "p2": [4, 5]}
-# what each prompt's reply is, and how many verify steps (with how many drafts accepted per position)
+# each prompt's reply, its verify steps and how many drafts each position had accepted over them; in SGLang's
+# terms the histogram of verify steps by correct drafts (k = 0..3): p1 [1, 1, 1, 0], p2 [1, 1, 0, 0]
 REPLIES = {(1, 2, 3): ([10, 11, 12, 13, 14, 15], 3, (2, 1, 0)), (4, 5): ([20, 21, 22], 2, (1, 0, 0))}
+HISTOGRAMS = {(1, 2, 3): [1, 1, 1, 0], (4, 5): [1, 1, 0, 0]}
 
 
 def _script():
@@ -81,8 +83,12 @@ def _serve(kind: str, *, speculative: bool = True):
                 choice = {"text": "…", **({"token_ids": out} if req.get("return_token_ids") else {})}
                 self._send(200, json.dumps({"choices": [choice]}))
             elif self.path == "/generate" and kind == "sglang":
-                out, steps, _ = REPLIES[tuple(req["input_ids"])]
-                meta = {"completion_tokens": len(out), **({"spec_verify_ct": steps} if speculative else {})}
+                out, steps, pos = REPLIES[tuple(req["input_ids"])]
+                meta = {"prompt_tokens": len(req["input_ids"]), "completion_tokens": len(out)}
+                if speculative:  # the fields sglang 0.5.17 adds on a speculative server's finished response
+                    meta.update(spec_verify_ct=steps, spec_num_correct_drafts=sum(pos),
+                                spec_num_proposed_drafts=3 * steps,
+                                spec_correct_drafts_histogram=HISTOGRAMS[tuple(req["input_ids"])])
                 self._send(200, json.dumps({"text": "…", "output_ids": out, "meta_info": meta}))
             else:
                 self._send(404, "{}")
@@ -102,14 +108,13 @@ def test_serve_url_returns_each_prompts_token_ids_and_the_engines_acceptance(kin
     assert outputs == {"p1": [10, 11, 12, 13, 14, 15], "p2": [20, 21, 22]}
     assert served["engine"] == kind and served["verify_steps"] == 5
     assert all(r.get("temperature", r.get("sampling_params", {}).get("temperature")) == 0.0 for r in seen)
+    # the pass's window only (vLLM's counters stood at 5 drafts before it): 5 verify steps, 4 accepted drafts
+    # (2 + 1 and 1), per position 3 / 1 / 0; from SGLang's meta_info the same, as the suite reads it
+    assert served["served"] == pytest.approx(1 + 4 / 5)
+    assert served["served_per_pos"] == pytest.approx([3 / 5, 1 / 5, 0.0])
     if kind == "vllm":
-        # the pass's window only: 5 verify steps, 4 accepted drafts (2+1 and 1), per position 3 / 1 / 0
         assert seen[0]["model"] == "served-name" and all(r["return_token_ids"] for r in seen)
-        assert served["served"] == pytest.approx(1 + 4 / 5)
-        assert served["served_per_pos"] == pytest.approx([3 / 5, 1 / 5, 0.0])
     else:
-        # SGLang: tokens per verify step (its accept length, bonus token included); no per-position counts
-        assert served["served"] == pytest.approx(9 / 5) and served["served_per_pos"] == []
         assert all(r["sampling_params"]["max_new_tokens"] == 6 for r in seen)
 
 
