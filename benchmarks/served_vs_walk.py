@@ -28,7 +28,6 @@ import argparse
 import json
 import threading
 import time
-import urllib.request
 from typing import Any
 
 import torch
@@ -150,12 +149,6 @@ def show(name: str, row: dict[str, Any]) -> None:
           f"{row.get('drafter_graph_replays')}, {row['seconds']:.0f} s", flush=True)
 
 
-def _post(url: str, body: dict[str, Any]) -> Any:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=1800) as r:
-        return json.loads(r.read())
-
-
 def serve_url(url: str, prompts: dict[str, list[int]], max_new: int) -> tuple[dict[str, list[int]], dict[str, Any]]:
     """Greedy generation of each prompt by a running server, one at a time (as the suite's acceptance
     test runs it), stopping at EOS: the token ids it emitted and its own acceptance over them.
@@ -165,27 +158,34 @@ def serve_url(url: str, prompts: dict[str, list[int]], max_new: int) -> tuple[di
     from ``/generate`` (``output_ids``). Acceptance: the ``vllm:spec_decode_*`` counters around the pass
     (vLLM and the reference engine), else SGLang's per-request ``meta_info`` summed, as the suite's
     acceptance test sums it (:func:`kimi_perf.eagle3.evaluate.sglang_acceptance`)."""
-    from kimi_perf.eagle3.evaluate import _get_json, _server_kind, read_spec_counters, sglang_acceptance
+    from kimi_perf.eagle3.evaluate import (
+        _generate_all,
+        _get_json,
+        _server_kind,
+        read_spec_counters,
+        sglang_acceptance,
+    )
     from kimi_perf.engines.sglang import parse_generate_response
+    from kimi_perf.httpjson import fetch
 
     base = url.rstrip("/")
     kind = _server_kind(_get_json(base + "/server_info", None))
     kind = "vllm" if kind == "other" else kind
     before = read_spec_counters(base)
     outputs: dict[str, list[int]] = {}
-    records = []
+    records: list[dict[str, Any]] = []
     if kind == "vllm":
         model = _get_json(base + "/v1/models", None)["data"][0]["id"]
         for rid, p in prompts.items():
-            r = _post(base + "/v1/completions", {"model": model, "prompt": p, "max_tokens": max_new,
-                                                  "temperature": 0.0, "return_token_ids": True})
+            body = {"model": model, "prompt": p, "max_tokens": max_new, "temperature": 0.0, "return_token_ids": True}
+            r = json.loads(fetch(base + "/v1/completions", {"Content-Type": "application/json"}, 1800,
+                                 json.dumps(body).encode()))
             outputs[rid] = list(r["choices"][0]["token_ids"])
     else:
-        for rid, p in prompts.items():
-            rec = parse_generate_response(_post(base + "/generate", {
-                "input_ids": p, "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0}}))[0]
-            outputs[rid] = list(rec["output_ids"])
-            records.append(rec)
+        # the suite's own greedy /generate pass (the SGLang acceptance pass's), one request at a time
+        answers = _generate_all(base, list(prompts.values()), max_new, 1, 1800.0)
+        records = [parse_generate_response(r)[0] for r in answers]
+        outputs = {rid: list(rec["output_ids"]) for rid, rec in zip(prompts, records)}
     after = read_spec_counters(base)
     if before is not None and after is not None:
         d, source = after - before, "vllm:spec_decode_* counters"
