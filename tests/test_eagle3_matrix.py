@@ -37,6 +37,20 @@ def test_row_names_parse_to_a_path_and_at_most_one_planted_fault():
             parse_row(bad)
 
 
+def test_a_row_through_a_server_stores_its_features_when_the_recipe_runs_online():
+    """An online recipe (h200-embedded's, which the H200 matrix fine-tunes from) computes features per
+    training batch in process; a vLLM or SGLang row cannot, and asking it to was a ValueError mid-lease."""
+    from kimi_perf.eagle3.features import FeatureSpec
+
+    online = FeatureSpec(backend="hf", online=True)
+    assert parse_row("hf+postnorm").features_of(online).online
+    assert parse_row("reference").features_of(online).online
+    for name in ("vllm", "sglang"):
+        spec = parse_row(name).features_of(online, server_url="http://x")
+        assert not spec.online and spec.digest() == parse_row(name).features_of(FeatureSpec(backend="hf")).digest()
+    assert not parse_row("hf").features_of(FeatureSpec(backend="hf")).online
+
+
 def test_plan_rejects_what_it_cannot_run_with_the_fix():
     ok = MatrixPlan.from_section({"rows": ["hf", "vllm"], "engines": ["reference"],
                                   "ci": {"rows": ["hf"], "engines": ["reference"]}}, ENGINES)

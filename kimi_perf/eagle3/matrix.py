@@ -75,7 +75,11 @@ class MatrixRow:
         trained on and what its shipped bundle is keyed by (``more``: e.g. the capture server's URL)."""
         from dataclasses import replace
 
-        return replace(spec, backend=self.backend, layer_offset=self.layer_offset, transform=self.transform, **more)
+        # online features (computed per training batch, never stored) need an in-process target: a row
+        # captured through a server stores its rows even when the recipe's own path runs online
+        online = spec.online and self.backend in ("hf", "reference")
+        return replace(spec, backend=self.backend, layer_offset=self.layer_offset, transform=self.transform,
+                       online=online, **more)
 
     def describe(self) -> str:
         what = {"hf": "transformers forward with pre-hooks", "reference": "reference engine prefill",

@@ -9,6 +9,7 @@ itself resumable (see data.py, features.py, train.py), so a killed run continues
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -160,8 +161,13 @@ def build_drafter(
             f"{recipe.train.draft_vocab_size} covers {covered:.1%} of them by frequency; held-out coverage "
             + _coverage_text(by_size)
             + "".join(f"; {src}: {_coverage_text(rows)}" for src, rows in by_source.items()))
+        available = len(train)
+        train = capped_train(train, recipe.train.max_samples)
+        keep = {s.id for s in train} | {s.id for s in heldout}
         t1 = time.monotonic()
-        store = feature_source(recipe, list(samples.values()), heldout, target_dir, feat_dir, target_fingerprint)
+        # in the file's order, as before the cap: extraction batches by it
+        store = feature_source(recipe, [s for s in samples.values() if s.id in keep], heldout, target_dir, feat_dir,
+                               target_fingerprint)
         t_feat = time.monotonic() - t1
         in_store = set(store.sample_ids)
         train_ids = [s.id for s in train if s.id in in_store]
@@ -176,6 +182,7 @@ def build_drafter(
         report = {
             "recipe": _jsonable(recipe),
             "data": {"samples": len(samples), "train": len(train), "heldout": len(heldout),
+                     **({"train_available": available} if available != len(train) else {}),
                      "train_tokens": int(sum(len(s.ids) for s in train)),
                      "train_response_tokens": int(sum(len(s.response_ids) for s in train)),
                      "samples_digest": samples_digest(list(samples.values())), "seconds": t_data,
@@ -195,6 +202,19 @@ def build_drafter(
             f"training {res.seconds:.0f}s at {res.tokens_per_s:.0f} tok/s)")
         return DrafterArtifact(out, feat_dir, data_dir / "samples.jsonl", tuple(sorted(train_ids)),
                                tuple(sorted(s.id for s in heldout)), report)
+
+
+def capped_train(train: list[Sample], max_samples: int) -> list[Sample]:
+    """The training samples a recipe trains on: all, or with ``train.max_samples`` the first that many
+    by sha256 of their ids. A hash rather than the file's order, which is the generator's (sources one
+    after another): the slice keeps the mix of sources and prompt lengths of the whole, and it is the
+    same slice on every machine and every row of the extraction matrix, so rows differ only in path."""
+    if not max_samples or max_samples >= len(train):
+        return train
+    keep = sorted(train, key=lambda s: hashlib.sha256(s.id.encode()).hexdigest())[:max_samples]
+    log(f"drafter training: {max_samples} of {len(train)} training samples (train.max_samples, by id hash); "
+        "the draft vocabulary counts all of them")
+    return keep
 
 
 def heldout_coverage(train_counts: np.ndarray, heldout: list[Sample], sizes: list[int],

@@ -73,13 +73,21 @@ class TrainConfig:
     # warm start: the weights of a drafter bundle shipped in kimi_perf/eagle3/shipped_drafters/ (its folder
     # name), trained further by this config's epochs and schedule; "" starts from scratch
     init_from: str = ""
+    # train on at most this many of the training samples (0: all of them), chosen by a hash of their ids
+    # (pipeline.capped_train), while the draft vocabulary is still counted over all: a warm start's
+    # d2t must equal its parent's, and the extraction matrix fine-tunes one parent per row on a slice
+    # of the parent's data that a GPU lease affords (47K samples online take ~650 s a row)
+    max_samples: int = 0
 
     def digest(self) -> str:
         d = asdict(self)
         for k in ("checkpoint_every", "log_every", "device", "threads"):
             d.pop(k)
-        if not d["init_from"]:
-            d.pop("init_from")  # so every recipe written before the field keeps its digest (and its bundle)
+        # fields added later leave the digest as it was when unset, so every recipe written before them
+        # keeps its digest (and its shipped bundle)
+        for k in ("init_from", "max_samples"):
+            if not d[k]:
+                d.pop(k)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
