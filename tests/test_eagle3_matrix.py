@@ -239,3 +239,13 @@ def test_the_long_matrix_experiments_run_only_when_named(expr, want):
                        capture_output=True, text=True, timeout=300)
     got = {line.split("::")[-1] for line in r.stdout.splitlines() if "::" in line}
     assert got == want, r.stdout + r.stderr
+
+
+def test_a_cell_carries_its_rows_held_out_walk_on_its_own_features():
+    """With rows fine-tuned from one parent (h200-matrix), a fault the fine-tune adapted to reads high on
+    its own path and low served: the cell must carry the own-path figure beside the served one."""
+    from kimi_perf.suite.matrix import _own_heldout
+
+    rep = {"train": {"heldout_by_epoch": [{"chain": {"accept_length": 1.9}}, {"chain": {"accept_length": 2.31}}]}}
+    assert _own_heldout(rep) == 2.31
+    assert _own_heldout({}) is None and _own_heldout({"train": {"heldout_by_epoch": [{"acc": [0.5]}]}}) is None

@@ -302,8 +302,19 @@ class ExtractionMatrix:
                                       tuple(res.pos_rates()[:3]), own_al, verdict, reason,
                                       extra={"path": row.describe(), "drafter": str(self._drafters[row.name]),
                                              "train_final_loss": (rep.get("train") or {}).get("final_loss"),
+                                             # the trainer's held-out walk on the row's own features: a
+                                             # fault a fine-tune adapted to reads high here and low served
+                                             "own_path_heldout": _own_heldout(rep),
                                              "feature_backend_version": (rep.get("features") or {}).get("backend_version")}))
         log(f"matrix: {len(rows)} x {len(engines)} cells in {time.monotonic() - t0:.0f}s")
         return out
 
 
+
+
+def _own_heldout(report: dict[str, Any]) -> float | None:
+    """The last epoch's held-out chain walk (accept length) of a row's drafter on its own path's
+    features, from its build report; None for a drafter built before the trainer recorded it."""
+    epochs = (report.get("train") or {}).get("heldout_by_epoch") or []
+    chain = epochs[-1].get("chain") if epochs else None
+    return float(chain["accept_length"]) if chain else None
