@@ -32,6 +32,10 @@
 # online features and runs its EAGLE-3 tests (pytest -m "perf and eagle"), then packs the drafter as a
 # shipped bundle; `merge` files the reports under benchmarks/h200-drafter-lease/4-build/ and unpacks the
 # bundle into kimi_perf/eagle3/shipped_drafters/ (commit it: the lease's disk does not outlive it).
+# TASK=warmstart (the same staging as TASK=build with GENERATOR=none: the model's parts, sharegpt 0 and 1,
+# then a call carrying .carry) runs benchmarks/matrix_warm_start.py on the carried samples (WS_SAMPLES,
+# default 2000): does a fine-tune from the recipe-4 bundle adapt to a planted fault (docs/eagle3.md, the
+# H200 matrix); `merge` files its JSON under benchmarks/matrix-warm-start/.
 # Environment: ENGINE (sglang|vllm), VARIANTS (default: same and the profile's variants of ENGINE),
 # NEXT_VARIANTS (replaces the list of the running job from its next A/B on; NAME@key=json,... runs
 # NAME with those profile overrides, e.g. same@pin_cpus=true or same@engines.sglang.sleep_on_idle=false;
@@ -174,9 +178,9 @@ device)
   # A/B job as soon as the last wheelhouse part was in, where a drafter build was meant (2 minutes of
   # the lease, and a job to kill before the build could start)
   case "${TASK:-}" in
-    ab) self=ab-$engine ;; generate) self=gen ;; build) self=build ;;
+    ab) self=ab-$engine ;; generate) self=gen ;; build) self=build ;; warmstart) self=warmstart ;;
     "") self="" ;;
-    *) echo "TASK=$TASK: ab, generate or build" >&2; exit 2 ;;
+    *) echo "TASK=$TASK: ab, generate, build or warmstart" >&2; exit 2 ;;
   esac
   for st in /tmp/kimi-lease/*/state.json; do
     [ -f "$st" ] || continue
@@ -189,7 +193,7 @@ device)
   ready=1
   # GENERATOR=none: a build whose samples are all committed launches no engine, so its staging and job
   # calls need only the model's wheelhouse (none of SGLang's staging calls)
-  need=("$engine"); [ "${GENERATOR:-}" = none ] && [ "${TASK:-}" != ab ] && need=()
+  need=("$engine"); { [ "${GENERATOR:-}" = none ] && [ "${TASK:-}" != ab ]; } || [ "${TASK:-}" = warmstart ] && need=()
   for n in model "${need[@]}"; do
     if [ -f "/tmp/site-$n/.installed" ]; then echo "$n: installed"; continue; fi
     if [ ! -f "/tmp/whl/$n/install.sh" ]; then echo "$n: no part here yet (stage $n 0)"; ready=0; continue; fi
@@ -204,7 +208,7 @@ device)
   [ -n "$self" ] || { echo "installed; no job starts without TASK=ab, generate or build"; exit 0; }
   printf '#!/bin/sh\nexport PYTHONPATH=/tmp/site-%s${PYTHONPATH:+:$PYTHONPATH}\nexec python3 "$@"\n' "$engine" \
     > "/tmp/$engine-python" && chmod +x "/tmp/$engine-python"
-  if [ "$self" = gen ] || [ "$self" = build ]; then
+  if [ "$self" = gen ] || [ "$self" = build ] || [ "$self" = warmstart ]; then
     # the job copies this call's tree: its prompt data and earlier packs must be here. Packs and a
     # wheelhouse part together can pass 64 MiB, so staging calls carry [".whl"] and the call after the
     # last part carries [".carry"]
@@ -217,7 +221,7 @@ device)
     fi
     if [ ! -f "/tmp/kimi-lease/$self/state.json" ] || [ "${RESTART:-0}" = 1 ]; then
       nproc; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-      job=genjob; [ "$self" = build ] && job=buildjob
+      job=genjob; [ "$self" = build ] && job=buildjob; [ "$self" = warmstart ] && job=wsjob
       # a restart runs this call's tree, not the copy the ended job ran (a fix made between calls)
       fresh=(); [ "${RESTART:-0}" = 1 ] && fresh=(--fresh-tree)
       python3 scripts/gpu_lease.py start "${fresh[@]}" "$self" -- bash scripts/h200_engine_ab.sh "$job"
@@ -225,6 +229,8 @@ device)
     python3 scripts/gpu_lease.py wait "$self" --max-s "$(wait_s 480)" --every 60
     if [ "$self" = gen ]; then
       python3 scripts/gpu_lease.py collect gen "$OUT" samples-pack generate-summary.json
+    elif [ "$self" = warmstart ]; then
+      python3 scripts/gpu_lease.py collect warmstart "$OUT" matrix-warm-start.json
     else
       # a call returns at most 8 files: the log, state and rc, the reports, and either the samples pack
       # (2 files) while training runs or, once it is there, the drafter bundle (an index and 1-2 parts).
@@ -337,7 +343,7 @@ PY
   done
   echo "[job] all done"
   ;;
-genjob|buildjob)  # run under gpu_lease: the recipe's prompt data and the samples of earlier leases first
+genjob|buildjob|wsjob)  # run under gpu_lease: the recipe's prompt data and the samples of earlier leases first
   export PYTHONPATH=/tmp/site-model${PYTHONPATH:+:$PYTHONPATH}
   data="$KIMI_PERF_CACHE/data"; mkdir -p "$data"
   cp -n .carry/data/* "$data/" 2>/dev/null
@@ -363,6 +369,14 @@ genjob|buildjob)  # run under gpu_lease: the recipe's prompt data and the sample
     cat generate-summary.json
     return $rc
   }
+  if [ "$cmd" = wsjob ]; then
+    # the H200 matrix's open question (docs/eagle3.md): does a short fine-tune from the recipe-4 bundle
+    # adapt to a planted fault, or keep reading the correct path? Every sample is carried: no engine
+    eval "extra=(${PYTEST_ARGS:-})"
+    python3 benchmarks/matrix_warm_start.py --max-samples "${WS_SAMPLES:-2000}" --epochs 2 --warmup 10 \
+      --json matrix-warm-start.json "${extra[@]}"
+    exit $?
+  fi
   if [ "$cmd" = buildjob ]; then
     # the recipe's drafter from the carried samples (online features: nothing stored but the held-out
     # rows), then its EAGLE-3 tests on the reference engine: held-out accept length, per-position rates
@@ -432,6 +446,12 @@ PY
     fi
     cp "$src/$job/generate-summary.json" "benchmarks/h200-drafter-lease/3-data/$(date -u +%Y%m%dT%H%M)-summary.json" 2>/dev/null
   done
+  if [ -f "$src/warmstart/matrix-warm-start.json" ]; then  # benchmarks/matrix_warm_start.py on a lease
+    d=benchmarks/matrix-warm-start; mkdir -p "$d"
+    cp "$src/warmstart/matrix-warm-start.json" "$d/$(date -u +%Y%m%dT%H%M%S).json"
+    cp "$src/warmstart/job.log" "$d/$(date -u +%Y%m%dT%H%M%S)-job.log" 2>/dev/null
+    ls "$d"; exit 0
+  fi
   if [ -f "$src/build/build-reports.tgz" ]; then  # a drafter-build lease: its reports, by time
     # by time to the second: three merges of one lease's calls once landed in one minute's folder
     d=benchmarks/h200-drafter-lease/4-build/$(date -u +%Y%m%dT%H%M%S); mkdir -p "$d"
