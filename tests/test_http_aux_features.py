@@ -45,6 +45,24 @@ def test_http_aux_features_equal_the_in_process_reference_backend(aux_server, mo
     assert torch.equal(final_h, final_l) and torch.equal(am_h, am_l)
 
 
+def test_concurrent_requests_return_each_sequence_its_own_rows_in_order(aux_server, model_dir, tok):
+    """``server_concurrency``: a batch's prefills in flight together must come back matched to their
+    sequences (different lengths, so a mix-up changes a shape) and equal to one request at a time."""
+    from kimi_perf.eagle3.features import FeaturePath, FeatureSpec
+
+    seqs = [chat_ids(tok, q)[:n] for q, n in (("Name three primes.", 20), ("Why is the sky blue?", 31),
+                                                ("Count to five.", 17), ("What is a drafter?", 26))]
+    spec = FeatureSpec(backend="http-aux", dtype="float32", server_url=aux_server.base_url)
+    one = FeaturePath(spec, model_dir).batch(seqs)
+    many = FeaturePath(FeatureSpec(**{**spec.__dict__, "server_concurrency": 4}), model_dir).batch(seqs)
+    assert FeatureSpec(**{**spec.__dict__, "server_concurrency": 4}).digest() == spec.digest()
+    for ids, (a1, f1, m1), (a4, f4, m4) in zip(seqs, one, many):
+        assert a4.shape == a1.shape == (len(ids), 3 * 576)
+        cos = torch.nn.functional.cosine_similarity(a1.float(), a4.float(), dim=-1)
+        assert float(cos.min()) > 0.9999, cos
+        assert torch.equal(f1, f4) and torch.equal(m1, m4)
+
+
 def test_http_aux_refuses_a_server_capturing_other_layers(aux_server, model_dir):
     from kimi_perf.eagle3.features import FeaturePath, FeatureSpec
 

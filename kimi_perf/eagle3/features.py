@@ -74,12 +74,16 @@ class FeatureSpec:
     # 47K-sample recipe's 18M tokens, past a lent GPU's 64 GB disk; the target's forward costs less
     # than the drafter's step it feeds
     online: bool = False
+    # http-aux and vllm-extract: prefill requests in flight at once. How, not what (out of the digest).
+    # One sample per request, one at a time, left a GPU server idle between requests while the host
+    # decoded JSON rows; the extraction matrix's server rows capture thousands of samples each
+    server_concurrency: int = 1
 
     def digest(self) -> str:
         import hashlib
 
         d = asdict(self)
-        for k in ("server_url", "device", "server_model", "extract_batch_tokens", "online"):
+        for k in ("server_url", "device", "server_model", "extract_batch_tokens", "online", "server_concurrency"):
             d.pop(k)
         if d["transform"] == "none":
             # added after drafters were shipped and cached: a spec without a transform keeps the digest
@@ -287,6 +291,7 @@ class FeaturePath:
         # the fault acts on the *captured* layers' rows (postnorm uses those layers' own norms)
         self.transform = Transform(spec.transform, model_dir, self.captured, self.hidden)
         self.version = self.be.version
+        self.server_concurrency = max(1, spec.server_concurrency)
 
     def __call__(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         aux, final, am = self.be(ids)
@@ -295,7 +300,19 @@ class FeaturePath:
         return self.transform(aux), final, am
 
     def batch(self, seqs: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """``[self(ids) for ids in seqs]``, in one forward where the backend batches (hf)."""
+        """``[self(ids) for ids in seqs]``, in one forward where the backend batches (hf); a server
+        backend's requests ``server_concurrency`` at a time (threads: the wait is HTTP, the GIL is free),
+        then the local final-norm rows one sequence at a time, in order."""
+        if self.final_be is not None and self.server_concurrency > 1 and len(seqs) > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(self.server_concurrency, len(seqs))) as pool:
+                rows = list(pool.map(lambda ids: self.be(ids)[0], seqs))
+            out = []
+            for ids, aux in zip(seqs, rows):
+                _, final, am = self.final_be(ids)
+                out.append((self.transform(aux), final, am))
+            return out
         if not hasattr(self.be, "batch") or self.final_be is not None:
             return [self(ids) for ids in seqs]
         return [(self.transform(aux), final, am) for aux, final, am in self.be.batch(seqs)]
