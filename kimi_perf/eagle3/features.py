@@ -250,7 +250,7 @@ class Transform:
             return aux
         parts = aux.float().split(self.hidden, dim=-1)
         if self.name == "postnorm":
-            out = [p * torch.rsqrt(p.pow(2).mean(-1, keepdim=True) + self.eps) * w for p, w in zip(parts, self.norms)]
+            out = [p * torch.rsqrt(p.pow(2).mean(-1, keepdim=True) + self.eps) * w.to(p.device) for p, w in zip(parts, self.norms)]
         else:
             out = []
             for p in parts:
