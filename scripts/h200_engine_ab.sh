@@ -373,7 +373,7 @@ genjob|buildjob|wsjob)  # run under gpu_lease: the recipe's prompt data and the 
     # the H200 matrix's open question (docs/eagle3.md): does a short fine-tune from the recipe-4 bundle
     # adapt to a planted fault, or keep reading the correct path? Every sample is carried: no engine
     eval "extra=(${PYTEST_ARGS:-})"
-    python3 benchmarks/matrix_warm_start.py --max-samples "${WS_SAMPLES:-2000}" --epochs 2 --warmup 10 \
+    PYTHONPATH=$PWD:$PYTHONPATH python3 benchmarks/matrix_warm_start.py --max-samples "${WS_SAMPLES:-2000}" --epochs 2 --warmup 10 \
       --json matrix-warm-start.json "${extra[@]}"
     exit $?
   fi
