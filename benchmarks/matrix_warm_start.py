@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=None, help="default: the recipe's")
     ap.add_argument("--dtype", default=None, help="feature dtype (default: the recipe's; float32 runs ~5x faster "
                     "than bfloat16 on a CPU without bf16 units)")
+    ap.add_argument("--reinit", default="", help="train.reinit, comma-separated (fc: each row learns its own input "
+                    "projection; the 2026-12-07 run without it kept the parent's reading on every fault)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
 
@@ -75,7 +77,8 @@ def main() -> None:
     train = replace(base.train, init_from=parent, max_samples=a.max_samples, epochs=a.epochs, device="auto",
                     lr=a.lr if a.lr is not None else base.train.lr,
                     warmup_steps=a.warmup if a.warmup is not None else base.train.warmup_steps,
-                    batch_tokens=a.batch_tokens or base.train.batch_tokens, log_every=5)
+                    batch_tokens=a.batch_tokens or base.train.batch_tokens, log_every=5,
+                    reinit=tuple(x for x in a.reinit.split(",") if x))
     features = replace(base.features, device=dev, dtype=a.dtype or base.features.dtype)
     m = ensure_embedded_model()
     fp = model_fingerprint(m.path)
@@ -112,7 +115,7 @@ def main() -> None:
         "what": "held-out MT-bench chain walk (3 drafts, top-1) of drafters fine-tuned from one parent per row",
         "machine": f"{platform.node()} {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}",
         "torch": torch.__version__, "parent": parent, "max_samples": a.max_samples, "epochs": a.epochs,
-        "lr": train.lr, "heldout_samples": len(held),
+        "lr": train.lr, "reinit": list(train.reinit), "heldout_samples": len(held),
         "parent_served_path": served_walk(served_path(bundle_at(SHIPPED_ROOT / parent))), "rows": {}}
     log(f"matrix warm start: parent on the served path: chain {out['parent_served_path']['chain']}")
     for name, (art, secs) in arts.items():

@@ -34,8 +34,9 @@
 # bundle into kimi_perf/eagle3/shipped_drafters/ (commit it: the lease's disk does not outlive it).
 # TASK=warmstart (the same staging as TASK=build with GENERATOR=none: the model's parts, sharegpt 0 and 1,
 # then a call carrying .carry) runs benchmarks/matrix_warm_start.py on the carried samples (WS_SAMPLES,
-# default 2000): does a fine-tune from the recipe-4 bundle adapt to a planted fault (docs/eagle3.md, the
-# H200 matrix); `merge` files its JSON under benchmarks/matrix-warm-start/.
+# default 2000; PYTEST_ARGS="--reinit fc" adds the benchmark's arguments): does a fine-tune from the
+# recipe-4 bundle adapt to a planted fault (docs/eagle3.md, the H200 matrix); `merge` files its JSON
+# under benchmarks/matrix-warm-start/.
 # Environment: ENGINE (sglang|vllm), VARIANTS (default: same and the profile's variants of ENGINE),
 # NEXT_VARIANTS (replaces the list of the running job from its next A/B on; NAME@key=json,... runs
 # NAME with those profile overrides, e.g. same@pin_cpus=true or same@engines.sglang.sleep_on_idle=false;

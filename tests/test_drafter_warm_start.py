@@ -36,7 +36,7 @@ BUNDLE = "a114c67ab3aea404-9b84de8d53f8-03d0b33f6cff-bca767665699"
 
 def _old_digest(cfg: TrainConfig) -> str:
     d = asdict(cfg)
-    for k in ("checkpoint_every", "log_every", "device", "threads", "init_from", "max_samples"):
+    for k in ("checkpoint_every", "log_every", "device", "threads", "init_from", "max_samples", "reinit"):
         d.pop(k)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -46,6 +46,7 @@ def test_init_from_keeps_the_digests_of_recipes_without_it_and_changes_theirs_wi
     assert cfg.digest() == _old_digest(cfg)
     assert replace(cfg, init_from=BUNDLE).digest() != cfg.digest()
     assert replace(cfg, max_samples=5000).digest() != cfg.digest()
+    assert replace(cfg, reinit=("fc",)).digest() != cfg.digest()
     # the shipped GPU bundle's name ends in its train digest, which the profile's recipe before the
     # warm start gave: the field left that recipe's digest alone
     train = load_profile(ROOT / "profiles" / "h200-embedded.json").eagle3.drafter_recipe().train
@@ -87,6 +88,24 @@ def test_a_warm_start_loads_every_tensor_of_the_bundle(tmp_path, monkeypatch):
     want, got = shipped.state_dict(), fresh.state_dict()
     for k in CHECKPOINT_KEYS:
         assert torch.equal(got[k], want[k]), k
+
+
+def test_reinit_fc_resets_only_the_feature_projection_after_a_warm_start(tmp_path, monkeypatch):
+    """``train.reinit=("fc",)``: a matrix row fine-tuned from a parent must learn its own path's input
+    mapping; every other tensor keeps the parent's weights."""
+    from kimi_perf.eagle3.train import reinit_modules
+
+    shipped, fresh = _served(tmp_path, monkeypatch)
+    fresh.set_vocab(shipped.d2t, shipped.t2d)
+    warm_start(fresh, BUNDLE)
+    reinit_modules(fresh, ("fc",))
+    want, got = shipped.state_dict(), fresh.state_dict()
+    assert not torch.equal(got["fc.weight"], want["fc.weight"])
+    for k in CHECKPOINT_KEYS:
+        if k != "fc.weight":
+            assert torch.equal(got[k], want[k]), k
+    with pytest.raises(ValueError, match=r"train.reinit \['midlayer'\].*\['fc'\]"):
+        reinit_modules(fresh, ("midlayer",))
 
 
 def test_a_bundle_of_another_draft_vocabulary_or_name_is_refused_with_the_reason(tmp_path, monkeypatch):

@@ -78,6 +78,12 @@ class TrainConfig:
     # d2t must equal its parent's, and the extraction matrix fine-tunes one parent per row on a slice
     # of the parent's data that a GPU lease affords (47K samples online take ~650 s a row)
     max_samples: int = 0
+    # after a warm start, these of the drafter's modules start again from PyTorch's default init
+    # (names in REINIT_MODULES). "fc": the projection the aux rows enter through, so a drafter fine-tuned
+    # on another extraction path must learn to read that path instead of keeping the parent's reading
+    # of the correct one (benchmarks/matrix_warm_start.py measured the parent's reading survive 100
+    # steps on every planted fault)
+    reinit: tuple[str, ...] = ()
 
     def digest(self) -> str:
         d = asdict(self)
@@ -85,7 +91,7 @@ class TrainConfig:
             d.pop(k)
         # fields added later leave the digest as it was when unset, so every recipe written before them
         # keeps its digest (and its shipped bundle)
-        for k in ("init_from", "max_samples"):
+        for k in ("init_from", "max_samples", "reinit"):
             if not d[k]:
                 d.pop(k)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
@@ -271,6 +277,7 @@ def train_drafter(
         raise ValueError(f"init_lm_head {cfg.init_lm_head!r}: use 'target' or 'random'")
     if cfg.init_from:
         warm_start(model, cfg.init_from)
+    reinit_modules(model, cfg.reinit)
     model.to(device)
     lm_rows = target_lm_head[used].float()
     params = list(model.parameters())
@@ -380,6 +387,19 @@ def train_drafter(
     return model.cpu(), TrainResult(steps=step, tokens=tokens, seconds=el, tokens_per_s=(tokens - tok0) / max(el, 1e-9),
                                     final_step_acc=last_acc, final_loss=final_loss, resumed_from_step=resumed,
                                     heldout_by_epoch=curve)
+
+
+REINIT_MODULES = ("fc",)
+
+
+def reinit_modules(model: Eagle3Drafter, names: tuple[str, ...]) -> None:
+    """``train.reinit``: reset the named modules' parameters (after a warm start, with the run's seed)."""
+    unknown = [n for n in names if n not in REINIT_MODULES]
+    if unknown:
+        raise ValueError(f"train.reinit {unknown}: the drafter modules that can start again are {list(REINIT_MODULES)}")
+    for n in names:
+        getattr(model, n).reset_parameters()
+        log(f"drafter training: {n} re-initialised (train.reinit)")
 
 
 def warm_start(model: Eagle3Drafter, bundle_name: str) -> None:
