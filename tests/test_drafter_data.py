@@ -136,6 +136,18 @@ def test_too_long_prompts_are_skipped_before_any_server_starts(tok, scripted_ser
     assert set(again) == {"ok-t1", "ok-t2"} and launched == [1] and len(log) == 2
     assert stats == {"made": 0, "skipped": 2, "left": 0}
     assert "nothing left to generate" in lines[-1]
+    # a third call on the unchanged file tokenizes nothing again (each matrix row asks it); a changed
+    # file asks again
+    import kimi_perf.eagle3.data as data_mod
+
+    calls: list[int] = []
+    real = data_mod._known_prompts
+    monkeypatch.setattr(data_mod, "_known_prompts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert set(generate_samples(launch, tok, items, out, cfg)) == {"ok-t1", "ok-t2"} and calls == []
+    with out.open("a") as f:
+        f.write("\n")
+    assert set(generate_samples(launch, tok, items, out, cfg)) == {"ok-t1", "ok-t2"} and calls == [1]
+    assert launched == [1]
 
 
 def _fake_sdist(tmp_path, rows):

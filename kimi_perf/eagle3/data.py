@@ -277,6 +277,18 @@ def _prompt_ids(tokenizer: Any, item: PromptItem, replies: list[str], max_prompt
     return None if len(ids) > max_prompt_tokens else ids
 
 
+# generate_samples' memo: the skipped ids of a todo list that is skipped whole, by samples-file stamp
+_ALL_SKIPPED: dict[tuple[Any, ...], frozenset[str]] = {}
+
+
+def _file_stamp(p: Path) -> tuple[int, int]:
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        return (-1, -1)
+    return (st.st_size, st.st_mtime_ns)
+
+
 def _known_prompts(tokenizer: Any, todo: Sequence[PromptItem], done: dict[str, Sample],
                    decode: Callable[[list[int]], str], max_prompt_tokens: int
                    ) -> tuple[dict[str, list[int]], set[str]]:
@@ -372,7 +384,19 @@ def generate_samples(
     if not todo:
         log(f"drafter data: all {len(items)} samples present in {out_path}")
         return {i.id: done[i.id] for i in items if i.id in done}
-    known_ids, skipped = _known_prompts(tokenizer, todo, done, decode, cfg.max_prompt_tokens)
+    # a recipe whose every makeable sample is stored asks this again for each drafter built from it
+    # (the H200 matrix: one per row), and tokenizing its ~15K too-long follow-ups cost ~30 s a time on
+    # a lease. Kept in process only, and only while the samples file is unchanged
+    memo_key = (str(Path(out_path).resolve()), *_file_stamp(Path(out_path)), cfg.max_prompt_tokens,
+                str(getattr(tokenizer, "name_or_path", type(tokenizer).__name__)),
+                hashlib.sha256("\n".join(i.id for i in todo).encode()).hexdigest())
+    known_ids: dict[str, list[int]]
+    if memo_key in _ALL_SKIPPED:
+        known_ids, skipped = {}, set(_ALL_SKIPPED[memo_key])
+    else:
+        known_ids, skipped = _known_prompts(tokenizer, todo, done, decode, cfg.max_prompt_tokens)
+        if len(skipped) == len(todo):
+            _ALL_SKIPPED[memo_key] = frozenset(skipped)
     if skipped:
         todo = [i for i in todo if i.id not in skipped]
         st["skipped"] = len(skipped)
