@@ -206,7 +206,7 @@ device)
     fi
   done
   [ "$ready" = 1 ] || { echo "not all wheelhouses are installed: stage the next missing part"; exit 0; }
-  [ -n "$self" ] || { echo "installed; no job starts without TASK=ab, generate or build"; exit 0; }
+  [ -n "$self" ] || { echo "installed; no job starts without TASK=ab, generate, build or warmstart"; exit 0; }
   printf '#!/bin/sh\nexport PYTHONPATH=/tmp/site-%s${PYTHONPATH:+:$PYTHONPATH}\nexec python3 "$@"\n' "$engine" \
     > "/tmp/$engine-python" && chmod +x "/tmp/$engine-python"
   if [ "$self" = gen ] || [ "$self" = build ] || [ "$self" = warmstart ]; then

@@ -310,8 +310,6 @@ class ExtractionMatrix:
         return out
 
 
-
-
 def _own_heldout(report: dict[str, Any]) -> float | None:
     """The last epoch's held-out chain walk (accept length) of a row's drafter on its own path's
     features, from its build report; None for a drafter built before the trainer recorded it."""
