@@ -57,13 +57,9 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from kimi_perf.eagle3.data import EVAL_ONLY_SOURCES, read_samples
-    from kimi_perf.eagle3.features import FeatureStore
     from kimi_perf.eagle3.matrix import parse_row
-    from kimi_perf.eagle3.pipeline import build_drafter, load_target_tensors, vocab_maps_of
+    from kimi_perf.eagle3.pipeline import build_drafter, score_heldout
     from kimi_perf.eagle3.shipped import SHIPPED_ROOT, bundle_at, served_path
-    from kimi_perf.eagle3.train import evaluate_heldout
-    from kimi_perf.engines.reference.drafter_model import load_drafter
     from kimi_perf.models.embedded import ensure_embedded_model, model_fingerprint
     from kimi_perf.profiles import load_profile
     from kimi_perf.progress import log
@@ -83,7 +79,6 @@ def main() -> None:
     m = ensure_embedded_model()
     fp = model_fingerprint(m.path)
     tok = AutoTokenizer.from_pretrained(str(m.path))
-    _, embed, lm = load_target_tensors(m.path)
 
     def no_server() -> str:
         raise RuntimeError("the recipe's samples are not all in the cache: unpack its packs first (see --help)")
@@ -98,25 +93,22 @@ def main() -> None:
     if "hf" not in arts:
         raise SystemExit("--rows must include hf: its stored held-out rows are the served path's features")
     hf_art = arts["hf"][0]
-    store = FeatureStore(hf_art.feature_dir)
-    samples = read_samples(hf_art.samples_path)
-    # the trainer's held-out set (MT-bench; code prompts are evaluation-only and scored apart)
-    held = {i for i in hf_art.heldout_ids if samples[i].source not in EVAL_ONLY_SOURCES} & set(store.sample_ids)
-    d2t, t2d = (torch.from_numpy(x) for x in vocab_maps_of(hf_art.path))
-    lm_rows = lm[torch.nonzero(t2d.bool()).flatten()].float().to(dev)
-    device = torch.device(dev)
 
     def served_walk(path: Path) -> dict[str, Any]:
-        model = load_drafter(path, embed, device=dev)
-        r = evaluate_heldout(model, store.loader(held), t2d.bool().to(device), lm_rows, train, device)
-        return {"acc": r["acc"], "chain": r["chain"]}
+        # the drafter at ``path`` scored on the hf row's stored held-out rows: MT-bench, the trainer's
+        # held-out set (code prompts are evaluation-only and scored apart)
+        r = score_heldout(replace(hf_art, path=path), replace(base, train=train), m.path)["mtbench"]
+        return {"acc": r["acc"], "chain": r["chain"], "samples": r["samples"]}
+
+    parent_walk = served_walk(served_path(bundle_at(SHIPPED_ROOT / parent)))
+    held = parent_walk.pop("samples")
 
     out: dict[str, Any] = {
         "what": "held-out MT-bench chain walk (3 drafts, top-1) of drafters fine-tuned from one parent per row",
         "machine": f"{platform.node()} {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}",
         "torch": torch.__version__, "parent": parent, "max_samples": a.max_samples, "epochs": a.epochs,
-        "lr": train.lr, "reinit": list(train.reinit), "heldout_samples": len(held),
-        "parent_served_path": served_walk(served_path(bundle_at(SHIPPED_ROOT / parent))), "rows": {}}
+        "lr": train.lr, "reinit": list(train.reinit), "heldout_samples": held,
+        "parent_served_path": parent_walk, "rows": {}}
     log(f"matrix warm start: parent on the served path: chain {out['parent_served_path']['chain']}")
     for name, (art, secs) in arts.items():
         rep = art.report
@@ -125,6 +117,7 @@ def main() -> None:
                              "train_tokens_per_s": rep["train"]["tokens_per_s"],
                              "train_samples": rep["data"]["train"], "own_path": {"acc": own["acc"], "chain": own.get("chain")},
                              "served_path": served_walk(art.path), "drafter": str(art.path)}
+        out["rows"][name]["served_path"].pop("samples")  # the parent's count, above
         log(f"matrix warm start: {name}: own path {own.get('chain')}, served path {out['rows'][name]['served_path']['chain']}")
     text = json.dumps(out, indent=1)
     print(text)
