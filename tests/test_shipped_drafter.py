@@ -367,13 +367,20 @@ def test_every_reader_of_perf_drafter_reads_the_bundles_checkpoint(tmp_path, mon
         build_alignment_settings(section, target, str(tmp_path / "plain"))
 
 
-def test_score_predicts_the_served_chain_from_the_held_out_rows(tmp_path, monkeypatch, capsys):
+@pytest.fixture(scope="module")
+def score_cache(tmp_path_factory) -> Path:
+    """One cache for the two ``score`` tests below: both score the CPU bundle, and each computing its
+    held-out features again in a cache of its own cost ~20 s of CI time on the 2-core box."""
+    return tmp_path_factory.mktemp("score-cache")
+
+
+def test_score_predicts_the_served_chain_from_the_held_out_rows(tmp_path, monkeypatch, capsys, score_cache):
     """``shipped score``: teacher-forced top-1 per draft step and the chain walk's accept length on the
     bundle's held-out samples, without an engine. Measured on the 2-core box: predicted 1.296
     (0.218 / 0.060 / 0.018) where the reference engine served 1.283 (0.220 / 0.048 / 0.015)."""
     from kimi_perf.eagle3.shipped import main
 
-    monkeypatch.setenv("KIMI_PERF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KIMI_PERF_CACHE", str(score_cache))
     assert main(["score", "--json", str(tmp_path / "s.json")]) == 0
     assert "a 3-draft chain accepts" in capsys.readouterr().out
     doc = json.loads((tmp_path / "s.json").read_text())
@@ -389,13 +396,13 @@ def test_score_predicts_the_served_chain_from_the_held_out_rows(tmp_path, monkey
     assert ch["accept_length"] == pytest.approx(1.296, abs=0.05), ch
 
 
-def test_score_takes_a_bundle_by_name_whatever_the_profiles_recipe(tmp_path, monkeypatch, capsys):
+def test_score_takes_a_bundle_by_name_whatever_the_profiles_recipe(tmp_path, monkeypatch, capsys, score_cache):
     """``score --bundle NAME`` scores a bundle by the recipe in its manifest: a GPU lease's bundle names
     another target conversion and, once a recipe warm-starts from it, a recipe the profile has left.
     Here the CPU bundle is named while the profile is h200-embedded, whose recipe is not the bundle's."""
     from kimi_perf.eagle3.shipped import main
 
-    monkeypatch.setenv("KIMI_PERF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KIMI_PERF_CACHE", str(score_cache))
     name = find_shipped(_recipe(), _target()[1])[0].name
     assert main(["score", "--profile", "h200-embedded", "--bundle", name, "--json", str(tmp_path / "s.json")]) == 0
     doc = json.loads((tmp_path / "s.json").read_text())
