@@ -94,14 +94,13 @@ def main() -> None:
         raise SystemExit("--rows must include hf: its stored held-out rows are the served path's features")
     hf_art = arts["hf"][0]
 
-    def served_walk(path: Path) -> dict[str, Any]:
+    def served_walk(path: Path) -> tuple[dict[str, Any], int]:
         # the drafter at ``path`` scored on the hf row's stored held-out rows: MT-bench, the trainer's
-        # held-out set (code prompts are evaluation-only and scored apart)
+        # held-out set (code prompts are evaluation-only and scored apart); and how many rows that was
         r = score_heldout(replace(hf_art, path=path), replace(base, train=train), m.path)["mtbench"]
-        return {"acc": r["acc"], "chain": r["chain"], "samples": r["samples"]}
+        return {"acc": r["acc"], "chain": r["chain"]}, r["samples"]
 
-    parent_walk = served_walk(served_path(bundle_at(SHIPPED_ROOT / parent)))
-    held = parent_walk.pop("samples")
+    parent_walk, held = served_walk(served_path(bundle_at(SHIPPED_ROOT / parent)))
 
     out: dict[str, Any] = {
         "what": "held-out MT-bench chain walk (3 drafts, top-1) of drafters fine-tuned from one parent per row",
@@ -116,8 +115,7 @@ def main() -> None:
         out["rows"][name] = {"seconds": round(secs, 1), "train_steps": rep["train"]["steps"],
                              "train_tokens_per_s": rep["train"]["tokens_per_s"],
                              "train_samples": rep["data"]["train"], "own_path": {"acc": own["acc"], "chain": own.get("chain")},
-                             "served_path": served_walk(art.path), "drafter": str(art.path)}
-        out["rows"][name]["served_path"].pop("samples")  # the parent's count, above
+                             "served_path": served_walk(art.path)[0], "drafter": str(art.path)}
         log(f"matrix warm start: {name}: own path {own.get('chain')}, served path {out['rows'][name]['served_path']['chain']}")
     text = json.dumps(out, indent=1)
     print(text)
