@@ -37,6 +37,13 @@
 # default 2000; PYTEST_ARGS="--reinit fc" adds the benchmark's arguments): does a fine-tune from the
 # recipe-4 bundle adapt to a planted fault (docs/eagle3.md, the H200 matrix); `merge` files its JSON
 # under benchmarks/matrix-warm-start/.
+# TASK=matrix (the same staging as TASK=warmstart, plus the wheelhouse of each engine the chosen rows or
+# columns need, ENGINE naming one) runs one column of the H200 matrix, `pytest -m matrix --perf-profile
+# h200-matrix` with eagle3.matrix.rows = MX_ROWS and eagle3.matrix.engines = MX_ENGINES (defaults: the
+# five rows that need no engine server, hf reference hf+offset1 hf+postnorm hf+int8, served by the
+# reference engine): every row's drafter is fine-tuned on the carried samples, then served; `merge`
+# files its reports (matrix JSON, heatmap, summary, log, the rows' training reports) under
+# benchmarks/h200-matrix-lease/COMMIT-TIME/ (the column is in the job log and the profile copy).
 # Environment: ENGINE (sglang|vllm), VARIANTS (default: same and the profile's variants of ENGINE),
 # NEXT_VARIANTS (replaces the list of the running job from its next A/B on; NAME@key=json,... runs
 # NAME with those profile overrides, e.g. same@pin_cpus=true or same@engines.sglang.sleep_on_idle=false;
@@ -67,6 +74,45 @@ variants_of() {  # the profile's A/B variants of engine $1, after the A/A
 import json, sys
 v = json.load(open('profiles/h200-engines.json')).get('variants', {})
 print(' '.join(['same'] + [k for k, x in v.items() if x.get('engine') == sys.argv[1]]))" "$1"
+}
+
+# A profile ($1) with overrides KEY=JSON[,KEY=JSON...] written to $3: a bare key is the ab policy's, a
+# dotted one a path from the top (engines.sglang.sleep_on_idle)
+override_profile() {
+  python3 - "$1" "$2" "$3" <<'PY'
+import json, sys
+p = json.load(open(sys.argv[1]))
+for kv in sys.argv[2].split(","):
+    k, v = kv.split("=", 1)
+    *up, last = k.split(".") if "." in k else ["ab", k]
+    d = p
+    for part in up:
+        d = d[part]
+    d[last] = json.loads(v)
+json.dump(p, open(sys.argv[3], "w"), indent=1)
+PY
+}
+
+# TASK=matrix: the rows and columns of the column run (MX_ROWS, MX_ENGINES: words), and the engine
+# servers they need (a row extracts through its base's server: vllm, sglang, vllm+offset1 ...)
+export MX_ROWS=${MX_ROWS:-hf reference hf+offset1 hf+postnorm hf+int8}
+export MX_ENGINES=${MX_ENGINES:-reference}
+matrix_engines() {
+  local x out=" "
+  for x in $MX_ROWS $MX_ENGINES; do
+    x=${x%%+*}
+    case "$x" in vllm|sglang) case "$out" in *" $x "*) ;; *) out="$out$x " ;; esac ;; esac
+  done
+  echo $out
+}
+matrix_profile() {  # $1: where the column's profile is written (h200-matrix with MX_ROWS x MX_ENGINES)
+  python3 - "$1" <<'PY'
+import json, os, sys
+p = json.load(open("profiles/h200-matrix.json"))
+m = p["eagle3"]["matrix"]
+m["rows"], m["engines"] = os.environ["MX_ROWS"].split(), os.environ["MX_ENGINES"].split()
+json.dump(p, open(sys.argv[1], "w"), indent=1)
+PY
 }
 
 case "$cmd" in
@@ -180,8 +226,9 @@ device)
   # the lease, and a job to kill before the build could start)
   case "${TASK:-}" in
     ab) self=ab-$engine ;; generate) self=gen ;; build) self=build ;; warmstart) self=warmstart ;;
+    matrix) self=matrix ;;
     "") self="" ;;
-    *) echo "TASK=$TASK: ab, generate, build or warmstart" >&2; exit 2 ;;
+    *) echo "TASK=$TASK: ab, generate, build, warmstart or matrix" >&2; exit 2 ;;
   esac
   for st in /tmp/kimi-lease/*/state.json; do
     [ -f "$st" ] || continue
@@ -195,6 +242,8 @@ device)
   # GENERATOR=none: a build whose samples are all committed launches no engine, so its staging and job
   # calls need only the model's wheelhouse (none of SGLang's staging calls)
   need=("$engine"); { [ "${GENERATOR:-}" = none ] && [ "${TASK:-}" != ab ]; } || [ "${TASK:-}" = warmstart ] && need=()
+  # a matrix column needs the servers of its rows and columns only (none for the default reference column)
+  [ "${TASK:-}" = matrix ] && read -r -a need <<< "$(matrix_engines)"
   for n in model "${need[@]}"; do
     if [ -f "/tmp/site-$n/.installed" ]; then echo "$n: installed"; continue; fi
     if [ ! -f "/tmp/whl/$n/install.sh" ]; then echo "$n: no part here yet (stage $n 0)"; ready=0; continue; fi
@@ -206,10 +255,14 @@ device)
     fi
   done
   [ "$ready" = 1 ] || { echo "not all wheelhouses are installed: stage the next missing part"; exit 0; }
-  [ -n "$self" ] || { echo "installed; no job starts without TASK=ab, generate, build or warmstart"; exit 0; }
+  [ -n "$self" ] || { echo "installed; no job starts without TASK=ab, generate, build, warmstart or matrix"; exit 0; }
   printf '#!/bin/sh\nexport PYTHONPATH=/tmp/site-%s${PYTHONPATH:+:$PYTHONPATH}\nexec python3 "$@"\n' "$engine" \
     > "/tmp/$engine-python" && chmod +x "/tmp/$engine-python"
-  if [ "$self" = gen ] || [ "$self" = build ] || [ "$self" = warmstart ]; then
+  for n in "${need[@]}"; do  # a matrix column's engines, besides $engine's written below
+    printf '#!/bin/sh\nexport PYTHONPATH=/tmp/site-%s${PYTHONPATH:+:$PYTHONPATH}\nexec python3 "$@"\n' "$n" \
+      > "/tmp/$n-python" && chmod +x "/tmp/$n-python"
+  done
+  if [ "$self" = gen ] || [ "$self" = build ] || [ "$self" = warmstart ] || [ "$self" = matrix ]; then
     # the job copies this call's tree: its prompt data and earlier packs must be here. Packs and a
     # wheelhouse part together can pass 64 MiB, so staging calls carry [".whl"] and the call after the
     # last part carries [".carry"]
@@ -222,7 +275,7 @@ device)
     fi
     if [ ! -f "/tmp/kimi-lease/$self/state.json" ] || [ "${RESTART:-0}" = 1 ]; then
       nproc; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-      job=genjob; [ "$self" = build ] && job=buildjob; [ "$self" = warmstart ] && job=wsjob
+      job=genjob; [ "$self" = build ] && job=buildjob; [ "$self" = warmstart ] && job=wsjob; [ "$self" = matrix ] && job=mxjob
       # a restart runs this call's tree, not the copy the ended job ran (a fix made between calls)
       fresh=(); [ "${RESTART:-0}" = 1 ] && fresh=(--fresh-tree)
       python3 scripts/gpu_lease.py start "${fresh[@]}" "$self" -- bash scripts/h200_engine_ab.sh "$job"
@@ -232,6 +285,8 @@ device)
       python3 scripts/gpu_lease.py collect gen "$OUT" samples-pack generate-summary.json
     elif [ "$self" = warmstart ]; then
       python3 scripts/gpu_lease.py collect warmstart "$OUT" matrix-warm-start.json
+    elif [ "$self" = matrix ]; then
+      python3 scripts/gpu_lease.py collect matrix "$OUT" matrix-reports.tgz
     else
       # a call returns at most 8 files: the log, state and rc, the reports, and either the samples pack
       # (2 files) while training runs or, once it is there, the drafter bundle (an index and 1-2 parts).
@@ -288,19 +343,7 @@ job)  # runs under gpu_lease in its copy of the tree: one pytest session per A/B
     prof=h200-engines base=${v%%@*}
     if [ "$base" != "$v" ]; then
       prof=$rep/profile/h200-engines.json; mkdir -p "$rep/profile"
-      python3 - "${v#*@}" "$prof" <<'PY' || { echo "[job] $v: bad overrides"; continue; }
-import json, sys
-p = json.load(open("profiles/h200-engines.json"))
-for kv in sys.argv[1].split(","):
-    k, v = kv.split("=", 1)
-    # a bare key is the ab policy's; a dotted one a path from the top (engines.sglang.sleep_on_idle)
-    *up, last = k.split(".") if "." in k else ["ab", k]
-    d = p
-    for part in up:
-        d = d[part]
-    d[last] = json.loads(v)
-json.dump(p, open(sys.argv[2], "w"), indent=1)
-PY
+      override_profile profiles/h200-engines.json "${v#*@}" "$prof" || { echo "[job] $v: bad overrides"; continue; }
     fi
     eval "extra=(${PYTEST_ARGS:-})"  # shell words, so a -k expression may hold spaces
     ran=1  # the highest exit code that means it ran: pytest 0 passed, 1 some failed
@@ -344,7 +387,7 @@ PY
   done
   echo "[job] all done"
   ;;
-genjob|buildjob|wsjob)  # run under gpu_lease: the recipe's prompt data and the samples of earlier leases first
+genjob|buildjob|wsjob|mxjob)  # run under gpu_lease: the recipe's prompt data and the samples of earlier leases first
   export PYTHONPATH=/tmp/site-model${PYTHONPATH:+:$PYTHONPATH}
   data="$KIMI_PERF_CACHE/data"; mkdir -p "$data"
   cp -n .carry/data/* "$data/" 2>/dev/null
@@ -370,6 +413,26 @@ genjob|buildjob|wsjob)  # run under gpu_lease: the recipe's prompt data and the 
     cat generate-summary.json
     return $rc
   }
+  if [ "$cmd" = mxjob ]; then
+    # one column of the H200 matrix as a GPU job runs it: the rows' drafters fine-tuned from the carried
+    # samples (no generation: every sample is in a pack), their cosines and their acceptance served by
+    # MX_ENGINES. The pipeline's cache stays in /tmp/kcache, so RESTART=1 on the same machine re-serves
+    # without retraining
+    rep=perf-report/matrix; mkdir -p "$rep/profile"
+    matrix_profile "$rep/profile/h200-matrix.json" || exit
+    pyargs=()
+    for n in $(matrix_engines); do pyargs+=("--perf-$n-python" "/tmp/$n-python"); done
+    eval "extra=(${PYTEST_ARGS:-})"
+    echo "[matrix] rows: $MX_ROWS; engines: $MX_ENGINES ($(date -u +%H:%M:%S))"
+    python3 -m pytest -m matrix -p no:cacheprovider perf_tests/test_matrix.py --perf-profile "$rep/profile/h200-matrix.json" \
+      "${pyargs[@]}" --perf-report-dir "$rep" --perf-history off -rA "${extra[@]}" 2>&1 | tee "$rep/pytest.log"
+    rc=${PIPESTATUS[0]}
+    for f in $(find "$KIMI_PERF_CACHE/eagle3" -name report.json -path '*drafter*' 2>/dev/null); do
+      d=$(basename "$(dirname "$f")"); cp "$f" "$rep/$d-report.json"  # each row drafter's training report
+    done
+    tar czf matrix-reports.tgz "$rep"
+    exit "$rc"
+  fi
   if [ "$cmd" = wsjob ]; then
     # the H200 matrix's open question (docs/eagle3.md): does a short fine-tune from the recipe-4 bundle
     # adapt to a planted fault, or keep reading the correct path? Every sample is carried: no engine
@@ -453,6 +516,11 @@ PY
     cp "$src/warmstart/job.log" "$d/$(date -u +%Y%m%dT%H%M%S)-job.log" 2>/dev/null
     ls "$d"; exit 0
   fi
+  if [ -f "$src/matrix/matrix-reports.tgz" ]; then  # a matrix column (TASK=matrix), one folder per commit and column
+    d=benchmarks/h200-matrix-lease/$(cut -c1-7 .carry/COMMIT)-$(date -u +%Y%m%dT%H%M%S); mkdir -p "$d"
+    tar xzf "$src/matrix/matrix-reports.tgz" -C "$d" --strip-components 2 && cp "$src/matrix/job.log" "$d/"
+    ls "$d"; exit 0
+  fi
   if [ -f "$src/build/build-reports.tgz" ]; then  # a drafter-build lease: its reports, by time
     # by time to the second: three merges of one lease's calls once landed in one minute's folder
     d=benchmarks/h200-drafter-lease/4-build/$(date -u +%Y%m%dT%H%M%S); mkdir -p "$d"
@@ -481,5 +549,5 @@ PY
   done
   ls "$lease"
   ;;
-*) echo "usage: $0 prepare ENGINE|prepare-data|stage NAME INDEX|device|job|genjob|buildjob|merge FILES_AT" >&2; exit 2 ;;
+*) echo "usage: $0 prepare ENGINE|prepare-data|stage NAME INDEX|device|job|genjob|buildjob|wsjob|mxjob|merge FILES_AT" >&2; exit 2 ;;
 esac
