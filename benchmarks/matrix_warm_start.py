@@ -60,6 +60,7 @@ def main() -> None:
     from kimi_perf.eagle3.matrix import parse_row
     from kimi_perf.eagle3.pipeline import build_drafter, score_heldout
     from kimi_perf.eagle3.shipped import SHIPPED_ROOT, bundle_at, served_path
+    from kimi_perf.machine import commit_info
     from kimi_perf.models.embedded import ensure_embedded_model, model_fingerprint
     from kimi_perf.profiles import load_profile
     from kimi_perf.progress import log
@@ -100,12 +101,16 @@ def main() -> None:
         r = score_heldout(replace(hf_art, path=path), replace(base, train=train), m.path)["mtbench"]
         return {"acc": r["acc"], "chain": r["chain"]}, r["samples"]
 
-    parent_walk, held = served_walk(served_path(bundle_at(SHIPPED_ROOT / parent)))
+    parent_bundle = bundle_at(SHIPPED_ROOT / parent)
+    if parent_bundle is None:  # the rows' warm start refuses it first; this keeps the type honest
+        raise SystemExit(f"{parent} is not a shipped bundle under {SHIPPED_ROOT}")
+    parent_walk, held = served_walk(served_path(parent_bundle))
 
     out: dict[str, Any] = {
         "what": "held-out MT-bench chain walk (3 drafts, top-1) of drafters fine-tuned from one parent per row",
         "machine": f"{platform.node()} {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}",
-        "torch": torch.__version__, "parent": parent, "max_samples": a.max_samples, "epochs": a.epochs,
+        # a lease's copy of the tree has no .git: commit_info reads KIMI_PERF_COMMIT (.carry/COMMIT) there
+        "commit": commit_info(root).get("id"), "torch": torch.__version__, "parent": parent, "max_samples": a.max_samples, "epochs": a.epochs,
         "lr": train.lr, "reinit": list(train.reinit), "heldout_samples": held,
         "parent_served_path": parent_walk, "rows": {}}
     log(f"matrix warm start: parent on the served path: chain {out['parent_served_path']['chain']}")

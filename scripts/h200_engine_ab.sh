@@ -423,7 +423,7 @@ genjob|buildjob|wsjob|mxjob)  # run under gpu_lease: the recipe's prompt data an
     pyargs=()
     for n in $(matrix_engines); do pyargs+=("--perf-$n-python" "/tmp/$n-python"); done
     eval "extra=(${PYTEST_ARGS:-})"
-    echo "[matrix] rows: $MX_ROWS; engines: $MX_ENGINES ($(date -u +%H:%M:%S))"
+    echo "[matrix] commit ${KIMI_PERF_COMMIT:-?}; rows: $MX_ROWS; engines: $MX_ENGINES ($(date -u +%H:%M:%S))"
     python3 -m pytest -m matrix -p no:cacheprovider perf_tests/test_matrix.py --perf-profile "$rep/profile/h200-matrix.json" \
       "${pyargs[@]}" --perf-report-dir "$rep" --perf-history off -rA "${extra[@]}" 2>&1 | tee "$rep/pytest.log"
     rc=${PIPESTATUS[0]}
@@ -437,6 +437,7 @@ genjob|buildjob|wsjob|mxjob)  # run under gpu_lease: the recipe's prompt data an
     # the H200 matrix's open question (docs/eagle3.md): does a short fine-tune from the recipe-4 bundle
     # adapt to a planted fault, or keep reading the correct path? Every sample is carried: no engine
     eval "extra=(${PYTEST_ARGS:-})"
+    echo "[warmstart] commit ${KIMI_PERF_COMMIT:-?} ($(date -u +%H:%M:%S))"
     PYTHONPATH=$PWD:$PYTHONPATH python3 benchmarks/matrix_warm_start.py --max-samples "${WS_SAMPLES:-2000}" --epochs 2 --warmup 10 \
       --json matrix-warm-start.json "${extra[@]}"
     exit $?
