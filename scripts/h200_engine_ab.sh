@@ -41,9 +41,10 @@
 # columns need, ENGINE naming one) runs one column of the H200 matrix, `pytest -m matrix --perf-profile
 # h200-matrix` with eagle3.matrix.rows = MX_ROWS and eagle3.matrix.engines = MX_ENGINES (defaults: the
 # five rows that need no engine server, hf reference hf+offset1 hf+postnorm hf+int8, served by the
-# reference engine): every row's drafter is fine-tuned on the carried samples, then served; `merge`
-# files its reports (matrix JSON, heatmap, summary, log, the rows' training reports) under
-# benchmarks/h200-matrix-lease/COMMIT-TIME/ (the column is in the job log and the profile copy).
+# reference engine; `matrix-check` here checks a choice first): every row's drafter is fine-tuned on
+# the carried samples, then served; `merge` files its reports (matrix JSON, heatmap, summary, log, the
+# rows' training reports) under benchmarks/h200-matrix-lease/COMMIT-TIME/ (the column is in the job log
+# and the profile copy).
 # Environment: ENGINE (sglang|vllm), VARIANTS (default: same and the profile's variants of ENGINE),
 # NEXT_VARIANTS (replaces the list of the running job from its next A/B on; NAME@key=json,... runs
 # NAME with those profile overrides, e.g. same@pin_cpus=true or same@engines.sglang.sleep_on_idle=false;
@@ -116,6 +117,14 @@ PY
 }
 
 case "$cmd" in
+matrix-check)
+  # here, before a matrix lease: the column's profile as the job writes it, checked as a run would load
+  # it (a row SGLang cannot capture, an engine the profile lacks), and which wheelhouses must travel
+  d=$(mktemp -d) || exit
+  matrix_profile "$d/h200-matrix.json" && $PY -m kimi_perf.profiles check "$d/h200-matrix.json"; rc=$?
+  rm -rf "$d"; [ "$rc" = 0 ] || exit "$rc"
+  echo "rows: $MX_ROWS; engines: $MX_ENGINES; wheelhouses to stage: model $(matrix_engines)"
+  ;;
 prepare)
   engine=${2:?sglang or vllm}
   mkdir -p "$WH" .carry
@@ -419,7 +428,7 @@ genjob|buildjob|wsjob|mxjob)  # run under gpu_lease: the recipe's prompt data an
     # MX_ENGINES. The pipeline's cache stays in /tmp/kcache, so RESTART=1 on the same machine re-serves
     # without retraining
     rep=perf-report/matrix; mkdir -p "$rep/profile"
-    matrix_profile "$rep/profile/h200-matrix.json" || exit
+    matrix_profile "$rep/profile/h200-matrix.json" && python3 -m kimi_perf.profiles check "$rep/profile/h200-matrix.json" || exit
     pyargs=()
     for n in $(matrix_engines); do pyargs+=("--perf-$n-python" "/tmp/$n-python"); done
     eval "extra=(${PYTEST_ARGS:-})"
@@ -550,5 +559,5 @@ PY
   done
   ls "$lease"
   ;;
-*) echo "usage: $0 prepare ENGINE|prepare-data|stage NAME INDEX|device|job|genjob|buildjob|wsjob|mxjob|merge FILES_AT" >&2; exit 2 ;;
+*) echo "usage: $0 prepare ENGINE|prepare-data|stage NAME INDEX|device|matrix-check|job|genjob|buildjob|wsjob|mxjob|merge FILES_AT" >&2; exit 2 ;;
 esac

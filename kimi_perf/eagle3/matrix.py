@@ -149,7 +149,9 @@ class MatrixPlan:
 
         def engs(v: Any, where: str) -> tuple[str, ...]:
             if not isinstance(v, list) or not v or any(e not in engines for e in v):
-                raise ValueError(f"{where} must be a non-empty list of the profile's engines {sorted(engines)}")
+                unknown = [e for e in v if e not in engines] if isinstance(v, list) else []
+                raise ValueError(f"{where} must be a non-empty list of the profile's engines {sorted(engines)}"
+                                 + (f", not {unknown}" if unknown else f", not {v!r}"))
             return tuple(v)
 
         r = rows(raw.get("rows"), "rows")
