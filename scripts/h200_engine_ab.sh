@@ -44,7 +44,8 @@
 # reference engine; `matrix-check` here checks a choice first): every row's drafter is fine-tuned on
 # the carried samples, then served; `merge` files its reports (matrix JSON, heatmap, summary, log, the
 # rows' training reports) under benchmarks/h200-matrix-lease/COMMIT-TIME/ (the column is in the job log
-# and the profile copy).
+# and the profile copy), and the cells' baselines into baselines/h200-matrix.json (MX_UPDATE=0: gate
+# against the committed ones instead of recording).
 # Environment: ENGINE (sglang|vllm), VARIANTS (default: same and the profile's variants of ENGINE),
 # NEXT_VARIANTS (replaces the list of the running job from its next A/B on; NAME@key=json,... runs
 # NAME with those profile overrides, e.g. same@pin_cpus=true or same@engines.sglang.sleep_on_idle=false;
@@ -432,10 +433,15 @@ genjob|buildjob|wsjob|mxjob)  # run under gpu_lease: the recipe's prompt data an
     pyargs=()
     for n in $(matrix_engines); do pyargs+=("--perf-$n-python" "/tmp/$n-python"); done
     eval "extra=(${PYTEST_ARGS:-})"
+    # the cells' baselines (keyed by this GPU) are recorded unless MX_UPDATE=0; recording, the run reports
+    # every verdict but does not fail on them. The committed file travels with the tree and keeps the
+    # cells of earlier columns (BaselineStore merges)
+    upd=(); [ "${MX_UPDATE:-1}" = 1 ] && upd=(--perf-update-baselines)
     echo "[matrix] commit ${KIMI_PERF_COMMIT:-?}; rows: $MX_ROWS; engines: $MX_ENGINES ($(date -u +%H:%M:%S))"
     python3 -m pytest -m matrix -p no:cacheprovider perf_tests/test_matrix.py --perf-profile "$rep/profile/h200-matrix.json" \
-      "${pyargs[@]}" --perf-report-dir "$rep" --perf-history off -rA "${extra[@]}" 2>&1 | tee "$rep/pytest.log"
+      "${pyargs[@]}" "${upd[@]}" --perf-report-dir "$rep" --perf-history off -rA "${extra[@]}" 2>&1 | tee "$rep/pytest.log"
     rc=${PIPESTATUS[0]}
+    cp baselines/h200-matrix.json "$rep/baselines-h200-matrix.json" 2>/dev/null
     for f in $(find "$KIMI_PERF_CACHE/eagle3" -name report.json -path '*drafter*' 2>/dev/null); do
       d=$(basename "$(dirname "$f")"); cp "$f" "$rep/$d-report.json"  # each row drafter's training report
     done
@@ -529,6 +535,9 @@ PY
   if [ -f "$src/matrix/matrix-reports.tgz" ]; then  # a matrix column (TASK=matrix), one folder per commit and column
     d=benchmarks/h200-matrix-lease/$(cut -c1-7 .carry/COMMIT)-$(date -u +%Y%m%dT%H%M%S); mkdir -p "$d"
     tar xzf "$src/matrix/matrix-reports.tgz" -C "$d" --strip-components 2 && cp "$src/matrix/job.log" "$d/"
+    # the cells' baselines as the job wrote them over the committed file: commit both
+    [ -f "$d/baselines-h200-matrix.json" ] && cp "$d/baselines-h200-matrix.json" baselines/h200-matrix.json \
+      && echo "baselines/h200-matrix.json updated (commit it)"
     ls "$d"; exit 0
   fi
   if [ -f "$src/build/build-reports.tgz" ]; then  # a drafter-build lease: its reports, by time
