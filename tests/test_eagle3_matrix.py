@@ -110,6 +110,23 @@ def test_cell_gates(row, layers, al, own_al, resolvable, want, phrase):
     assert phrase in reason
 
 
+def test_a_cosine_only_fault_must_still_fail_the_cosine_gate():
+    """eagle3.matrix.cosine_only (one layer off: -1.2% to -2.6% measured) moves the assertion to the cosine
+    gate; the drop stays in the reason, and a fault that cosine cannot see still FAILs."""
+    v, why = judge(parse_row("hf+offset1"), "reference", OFF, 1.98, 2.0, tolerance=0.08, resolvable=1.5,
+                   cosine_only=True)
+    assert v == "PASS" and "reported, not asserted" in why and "-1.0%" in why
+    v, why = judge(parse_row("hf+offset1"), "reference", GOOD, 1.98, 2.0, tolerance=0.08, resolvable=1.5,
+                   cosine_only=True)
+    assert v == "FAIL" and "cannot see it" in why
+    plan = MatrixPlan.from_section({"rows": ["hf", "hf+offset1"], "engines": ["reference"],
+                                    "cosine_only": ["hf+offset1"]}, ENGINES)
+    assert plan.cosine_only == ("hf+offset1",)
+    for bad in (["hf"], ["hf+int8"], "hf+offset1"):  # not planted, not a row, not a list
+        with pytest.raises(ValueError, match="cosine_only"):
+            MatrixPlan.from_section({"rows": ["hf", "hf+offset1"], "engines": ["reference"], "cosine_only": bad}, ENGINES)
+
+
 def test_the_engines_own_path_must_agree_with_its_inference_states():
     assert judge(parse_row("reference"), "reference", GOOD, 1.3, 1.3, tolerance=0.08, resolvable=1.5,
                  own=True)[0] == "PASS"

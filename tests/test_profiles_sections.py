@@ -162,7 +162,7 @@ def test_the_matrix_fields_are_documented_under_their_json_keys():
     from kimi_perf.eagle3.matrix import MatrixPlan
 
     docs = {d["name"]: d for d in field_docs(MatrixPlan)}
-    assert list(docs) == ["rows", "engines", "ci.rows", "ci.engines", "accept_tolerance", "retrain_seeds"]
+    assert list(docs) == ["rows", "engines", "ci.rows", "ci.engines", "accept_tolerance", "retrain_seeds", "cosine_only"]
     assert all(d["doc"] for d in docs.values())
     assert docs["accept_tolerance"]["default"] == 0.08 and docs["ci.rows"]["default"] == "rows"
     assert docs["rows"]["default"] == "(required)"

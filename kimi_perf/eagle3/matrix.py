@@ -21,7 +21,10 @@ Gates (:func:`judge`), per cell, against the drafter trained on the serving engi
   acceptance: the threshold is too loose);
 - a planted fault must fail the cosine gate at some layer (else FAIL: alignment cannot see it) and, when
   the own-features drafter accepts enough to resolve a drop (``resolvable``), must lose more than the
-  tolerance; below that the drop is reported, not asserted (INCONCLUSIVE), as the layer-mismatch test does;
+  tolerance; below that the drop is reported, not asserted (INCONCLUSIVE), as the layer-mismatch test does.
+  A planted row the profile lists in ``cosine_only`` is a fault measured to cost less acceptance than the
+  tolerance (one layer off: -1.2% to -2.6% with a ~2.1 drafter on an H100): the cosine gate alone must
+  catch it, and its acceptance drop is reported, not asserted;
 - a real path that fails the cosine gate against an engine is itself the finding: FAIL, naming the
   layers (the acceptance it costs is in the cell).
 
@@ -125,11 +128,14 @@ class MatrixPlan:
                                                "json": None})
     retrain_seeds: int = field(default=3, metadata={
         "doc": "training seeds test_matrix_retrain_noise trains each engine's own-features drafter with, 2-16"})
+    cosine_only: tuple[str, ...] = field(default=(), metadata={
+        "doc": "planted rows measured to cost less acceptance than the tolerance: the cosine gate alone must "
+               "catch them, their acceptance drop is reported (say where it was measured in sources)"})
 
     @classmethod
     def from_section(cls, raw: Mapping[str, Any], engines: Mapping[str, Any]) -> MatrixPlan:
         """Validated; ValueError names the key and the fix."""
-        known = {"rows", "engines", "ci", "accept_tolerance", "retrain_seeds"}
+        known = {"rows", "engines", "ci", "accept_tolerance", "retrain_seeds", "cosine_only"}
         bad = set(raw) - known
         if bad:
             raise ValueError(f"unknown key(s) {sorted(bad)}; allowed: {sorted(known)}")
@@ -168,7 +174,12 @@ class MatrixPlan:
         if not isinstance(seeds, int) or isinstance(seeds, bool) or not 2 <= seeds <= 16:
             raise ValueError(f"retrain_seeds {seeds!r} must be an integer from 2 to 16 (training seeds of the "
                              "own-features drafter whose spread the tolerance must cover), e.g. 3")
-        return cls(r, e, cr, ce, float(tol), retrain_seeds=seeds)
+        co = raw.get("cosine_only", [])
+        planted = {x.name for x in (*r, *cr) if x.planted}
+        if not isinstance(co, list) or any(x not in planted for x in co):
+            raise ValueError(f"cosine_only {co!r} must list planted rows of rows or ci.rows ({sorted(planted)}): "
+                             "faults whose acceptance drop was measured below accept_tolerance")
+        return cls(r, e, cr, ce, float(tol), retrain_seeds=seeds, cosine_only=tuple(co))
 
 
 def own_row(engine_kind: str) -> str:
@@ -228,8 +239,9 @@ class MatrixCell:
 
 def judge(row: MatrixRow, engine: str, layers: Sequence[LayerAgreement], accept_length: float,
           own_accept_length: float | None, *, tolerance: float, resolvable: float,
-          own: bool = False) -> tuple[str, str]:
-    """(verdict, reason) of one cell; the rules are the module docstring's."""
+          own: bool = False, cosine_only: bool = False) -> tuple[str, str]:
+    """(verdict, reason) of one cell; the rules are the module docstring's. ``cosine_only``: the row is
+    in the plan's ``cosine_only`` (a planted fault the cosine gate alone must catch)."""
     bad = [a for a in layers if not a.ok]
     cos = ", ".join(f"layer {a.layer} {a.cos_min:.4f} {'<' if not a.ok else '>='} {a.threshold:.4f}" for a in layers)
     if own_accept_length is None:
@@ -247,6 +259,9 @@ def judge(row: MatrixRow, engine: str, layers: Sequence[LayerAgreement], accept_
         if not bad:
             return "FAIL", (f"planted fault {row.name} passes the cosine gate at every layer ({cos}): alignment "
                             "cannot see it")
+        if cosine_only:
+            return "PASS", (f"planted fault seen by the cosine gate ({cos}); {rel_txt}, reported, not asserted "
+                            "(eagle3.matrix.cosine_only: measured to cost less than the tolerance)")
         if drop is None:
             return "INCONCLUSIVE", f"planted fault seen by the cosine gate ({cos}); {rel_txt}"
         if own_accept_length is not None and own_accept_length < resolvable:

@@ -296,7 +296,7 @@ class ExtractionMatrix:
                 layers = self._cos[(row.name, engine)]
                 verdict, reason = judge(row, engine, layers, res.accept_length, own_al,
                                         tolerance=self.plan.accept_tolerance, resolvable=self.resolvable,
-                                        own=row.name == own)
+                                        own=row.name == own, cosine_only=row.name in self.plan.cosine_only)
                 rep = self._reports.get(row.name, {})
                 out.append(MatrixCell(row.name, engine, row.planted, layers, res.accept_length,
                                       tuple(res.pos_rates()[:3]), own_al, verdict, reason,
