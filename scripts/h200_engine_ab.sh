@@ -113,6 +113,8 @@ import json, os, sys
 p = json.load(open("profiles/h200-matrix.json"))
 m = p["eagle3"]["matrix"]
 m["rows"], m["engines"] = os.environ["MX_ROWS"].split(), os.environ["MX_ENGINES"].split()
+# cosine_only names rows; those the column leaves out go too
+m["cosine_only"] = [r for r in m.get("cosine_only", []) if r in m["rows"] + m["ci"]["rows"]]
 json.dump(p, open(sys.argv[1], "w"), indent=1)
 PY
 }
