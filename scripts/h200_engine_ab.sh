@@ -115,13 +115,6 @@ m = p["eagle3"]["matrix"]
 m["rows"], m["engines"] = os.environ["MX_ROWS"].split(), os.environ["MX_ENGINES"].split()
 # cosine_only names rows; those the column leaves out go too
 m["cosine_only"] = [r for r in m.get("cosine_only", []) if r in m["rows"] + m["ci"]["rows"]]
-# engines the column does not use leave the profile, and every list naming them: a session asks for an
-# environment (--perf-sglang-python) for each engine of its profile
-keep = {"reference", *m["engines"], *(r.split("+")[0] for r in m["rows"])}
-p["engines"] = {k: v for k, v in p["engines"].items() if k in keep}
-for sec, key in ((p, "default_engines"), (p.get("alignment", {}), "engines"), (p["eagle3"], "engines")):
-    if key in sec:
-        sec[key] = [e for e in sec[key] if e in keep]
 json.dump(p, open(sys.argv[1], "w"), indent=1)
 PY
 }

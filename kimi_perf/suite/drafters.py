@@ -176,11 +176,19 @@ def session_drafter(s: Eagle3Settings, target: TargetModel, pool: ServerPool) ->
             build_items(recipe.data)  # the recipe's prompt sources are on disk (setup fetches them)
         except FileNotFoundError as ex:
             missing(s, f"the drafter recipe's prompt data is missing: {ex}")
-        gen_cfg = generator_config(s, recipe.data, target)
-        # the generation server starts only if samples are missing (a cached drafter needs none)
-        art = build_drafter(recipe, target.path, target.fingerprint,
-                            gen_url=lambda: pool.get(gen_cfg).base_url, tokenizer=tok)
-        pool.stop(gen_cfg)
+        generator_name(s, recipe.data)  # a misnamed generator is a usage error now, not after minutes
+        # the generation server starts only if samples are missing (a cached drafter, or a lease that
+        # carried every sample, needs none): so its environment (--perf-sglang-python) is asked for then too
+        gen: list[Any] = []
+
+        def gen_url() -> str:
+            if not gen:
+                gen.append(generator_config(s, recipe.data, target))
+            return str(pool.get(gen[0]).base_url)
+
+        art = build_drafter(recipe, target.path, target.fingerprint, gen_url=gen_url, tokenizer=tok)
+        if gen:
+            pool.stop(gen[0])
         if bundle is not None:
             cmp = compare_with_shipped(bundle, art.path)
             log(f"drafter: the trained drafter is {'byte-identical to' if cmp['identical'] else 'not identical to'} "
@@ -218,13 +226,19 @@ def code_prompts(s: Eagle3Settings, tokenizer: Any) -> tuple[tuple[tuple[int, ..
     return tuple(tuple(chat_prompt_ids(tokenizer, [t.turns[0]])) for t in tasks[:n]), ""
 
 
-def generator_config(s: Eagle3Settings, data: Any, target: TargetModel) -> Any:
-    """The server that regenerates the recipe's responses (``eagle3.recipe.data.generator``, default the
-    reference engine), launched with :meth:`~kimi_perf.eagle3.data.DataConfig.generator_overrides`."""
-    name = data.generator
+def generator_name(s: Eagle3Settings, data: Any) -> str:
+    """``eagle3.recipe.data.generator``, checked to be an engine of the profile (UsageError naming them)."""
+    name = str(data.generator)
     if name not in s.servers.engines:
         raise pytest.UsageError(f"profile {s.servers.profile_path}: eagle3.recipe.data.generator {name!r} is not an "
                                 f"engine of the profile (engines: {', '.join(s.servers.engines)})")
+    return name
+
+
+def generator_config(s: Eagle3Settings, data: Any, target: TargetModel) -> Any:
+    """The server that regenerates the recipe's responses (``eagle3.recipe.data.generator``, default the
+    reference engine), launched with :meth:`~kimi_perf.eagle3.data.DataConfig.generator_overrides`."""
+    name = generator_name(s, data)
     try:
         over = data.generator_overrides(require_engine(s, name))
     except ValueError as e:
