@@ -122,7 +122,7 @@ class ExtractionMatrix:
                 n = min(len(hs.token_ids), *(hs.get(k).shape[0] for k in self.layers))
                 feats = path.by_layer(list(hs.token_ids[:n]))
                 for k in self.layers:
-                    c = compare_layer(feats[k][:n].numpy(), hs.get(k)[:n], layer=str(k))
+                    c = compare_layer(feats[k][:n].cpu().numpy(), hs.get(k)[:n], layer=str(k))  # on cuda under a GPU recipe
                     worst[k] = min(worst[k], c.cos_min)
             # engine_threshold: the reference engine's own threshold for it, x engine_noise_factor for others
             self._cos[(row.name, engine)] = tuple(
