@@ -445,3 +445,38 @@ def test_a_missing_engine_environment_for_a_server_follows_the_same_policy(monke
     monkeypatch.setenv("KIMI_PERF_SKIP_VLLM", "1")
     with pytest.raises(pytest.skip.Exception, match="KIMI_PERF_SKIP_VLLM=1"):
         engine_config(settings(session(pythons={})), "vllm", TARGET)
+
+
+def test_a_recipe_whose_samples_are_all_stored_needs_no_generator_environment(monkeypatch, tmp_path):
+    """The H200 matrix's lease carries every sample of its SGLang-generated recipe and installs no
+    SGLang: the session's drafter must train without --perf-sglang-python (the first lease run stopped
+    at setup asking for it). The environment is asked for only when the pipeline wants a server."""
+    import transformers
+
+    import kimi_perf.eagle3.data as data
+    import kimi_perf.eagle3.pipeline as pipeline
+    import kimi_perf.suite.drafters as drafters
+    from kimi_perf.eagle3.pipeline import DrafterArtifact
+
+    matrix = load_profile(ROOT / "profiles" / "h200-matrix.json")
+    assert matrix.eagle3.recipe["data"]["generator"] == "sglang"
+    s = eagle3(session(matrix, explicit=True, pythons={}))  # a named profile: a missing engine FAILs
+    n = matrix.eagle3.eval.prompts
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: None)
+    monkeypatch.setattr(data, "build_items", lambda cfg: [])
+    monkeypatch.setattr(pipeline, "heldout_prompts", lambda path, ids: [[1, 2, 3]] * n)
+    monkeypatch.setattr(drafters, "code_prompts", lambda s, tok: ((), ""))
+    art = DrafterArtifact(tmp_path / "drafter", tmp_path, tmp_path / "samples.jsonl", ("a",), ("b",), {})
+
+    def build(recipe, *a, gen_url, **k):  # every sample stored: no server asked for
+        return art
+
+    monkeypatch.setattr(pipeline, "build_drafter", build)
+    assert drafters.session_drafter(s, TARGET, FakePool()).path == art.path
+
+    def build_missing(recipe, *a, gen_url, **k):  # samples missing: the generator is resolved now
+        gen_url()
+
+    monkeypatch.setattr(pipeline, "build_drafter", build_missing)
+    with pytest.raises(pytest.fail.Exception, match="engine sglang .* needs its own environment"):
+        drafters.session_drafter(s, TARGET, FakePool())
