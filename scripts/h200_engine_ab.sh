@@ -439,6 +439,8 @@ genjob|buildjob|wsjob|mxjob)  # run under gpu_lease: the recipe's prompt data an
     # every verdict but does not fail on them. The committed file travels with the tree and keeps the
     # cells of earlier columns (BaselineStore merges)
     upd=(); [ "${MX_UPDATE:-1}" = 1 ] && upd=(--perf-update-baselines)
+    # the heatmap is drawn after the cells are recorded; say at once if this image cannot draw it
+    python3 -c "import matplotlib" 2>/dev/null || echo "[matrix] no matplotlib here: the cells will be recorded, the heatmap will fail"
     echo "[matrix] commit ${KIMI_PERF_COMMIT:-?}; rows: $MX_ROWS; engines: $MX_ENGINES ($(date -u +%H:%M:%S))"
     python3 -m pytest -m matrix -p no:cacheprovider perf_tests/test_matrix.py --perf-profile "$rep/profile/h200-matrix.json" \
       "${pyargs[@]}" "${upd[@]}" --perf-report-dir "$rep" --perf-history off -rA "${extra[@]}" 2>&1 | tee "$rep/pytest.log"
