@@ -110,8 +110,8 @@ def main() -> None:
         "what": "held-out MT-bench chain walk (3 drafts, top-1) of drafters fine-tuned from one parent per row",
         "machine": f"{platform.node()} {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}",
         # a lease's copy of the tree has no .git: commit_info reads KIMI_PERF_COMMIT (.carry/COMMIT) there
-        "commit": commit_info(root).get("id"), "torch": torch.__version__, "parent": parent, "max_samples": a.max_samples, "epochs": a.epochs,
-        "lr": train.lr, "reinit": list(train.reinit), "heldout_samples": held,
+        "commit": commit_info(root).get("id"), "torch": torch.__version__, "parent": parent,
+        "max_samples": a.max_samples, "epochs": a.epochs, "lr": train.lr, "reinit": list(train.reinit), "heldout_samples": held,
         "parent_served_path": parent_walk, "rows": {}}
     log(f"matrix warm start: parent on the served path: chain {out['parent_served_path']['chain']}")
     for name, (art, secs) in arts.items():

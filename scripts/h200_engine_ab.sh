@@ -449,7 +449,10 @@ genjob|buildjob|wsjob|mxjob)  # run under gpu_lease: the recipe's prompt data an
     for f in $(find "$KIMI_PERF_CACHE/eagle3" -name report.json -path '*drafter*' 2>/dev/null); do
       d=$(basename "$(dirname "$f")"); cp "$f" "$rep/$d-report.json"  # each row drafter's training report
     done
-    tar czf matrix-reports.tgz "$rep"
+    # what comes back: the matrix's files, summaries, run file, log and reports (server logs and request
+    # records stay: they are large, as in the A/B job)
+    tar czf matrix-reports.tgz "$rep"/eagle3-matrix-* "$rep"/summary.md "$rep"/run.json "$rep"/pytest.log \
+      "$rep"/profile "$rep"/*-report.json "$rep"/baselines-h200-matrix.json 2>/dev/null
     exit "$rc"
   fi
   if [ "$cmd" = wsjob ]; then
@@ -536,7 +539,7 @@ PY
     cp "$src/warmstart/job.log" "$d/$(date -u +%Y%m%dT%H%M%S)-job.log" 2>/dev/null
     ls "$d"; exit 0
   fi
-  if [ -f "$src/matrix/matrix-reports.tgz" ]; then  # a matrix column (TASK=matrix), one folder per commit and column
+  if [ -f "$src/matrix/matrix-reports.tgz" ]; then  # a matrix column (TASK=matrix), one folder per commit and time
     d=benchmarks/h200-matrix-lease/$(cut -c1-7 .carry/COMMIT)-$(date -u +%Y%m%dT%H%M%S); mkdir -p "$d"
     tar xzf "$src/matrix/matrix-reports.tgz" -C "$d" --strip-components 2 && cp "$src/matrix/job.log" "$d/"
     # the cells' baselines as the job wrote them over the committed file: commit both
