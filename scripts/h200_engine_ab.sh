@@ -107,8 +107,10 @@ matrix_engines() {
   done
   echo $out
 }
-matrix_profile() {  # $1: where the column's profile is written (h200-matrix with MX_ROWS x MX_ENGINES)
-  python3 - "$1" <<'PY'
+# $1: where the column's profile is written (h200-matrix with MX_ROWS x MX_ENGINES), then checked as a
+# run would load it by $2 (a python that imports kimi_perf; default python3)
+matrix_profile() {
+  python3 - "$1" <<'PY' && "${2:-python3}" -m kimi_perf.profiles check "$1"
 import json, os, sys
 p = json.load(open("profiles/h200-matrix.json"))
 m = p["eagle3"]["matrix"]
@@ -124,7 +126,7 @@ matrix-check)
   # here, before a matrix lease: the column's profile as the job writes it, checked as a run would load
   # it (a row SGLang cannot capture, an engine the profile lacks), and which wheelhouses must travel
   d=$(mktemp -d) || exit
-  matrix_profile "$d/h200-matrix.json" && $PY -m kimi_perf.profiles check "$d/h200-matrix.json"; rc=$?
+  matrix_profile "$d/h200-matrix.json" "$PY"; rc=$?
   rm -rf "$d"; [ "$rc" = 0 ] || exit "$rc"
   echo "rows: $MX_ROWS; engines: $MX_ENGINES; wheelhouses to stage: model $(matrix_engines)"
   ;;
@@ -268,9 +270,7 @@ device)
   done
   [ "$ready" = 1 ] || { echo "not all wheelhouses are installed: stage the next missing part"; exit 0; }
   [ -n "$self" ] || { echo "installed; no job starts without TASK=ab, generate, build, warmstart or matrix"; exit 0; }
-  printf '#!/bin/sh\nexport PYTHONPATH=/tmp/site-%s${PYTHONPATH:+:$PYTHONPATH}\nexec python3 "$@"\n' "$engine" \
-    > "/tmp/$engine-python" && chmod +x "/tmp/$engine-python"
-  for n in "${need[@]}"; do  # a matrix column's engines, besides $engine's written below
+  for n in "$engine" "${need[@]}"; do  # each engine's python: $engine's, and a matrix column's engines
     printf '#!/bin/sh\nexport PYTHONPATH=/tmp/site-%s${PYTHONPATH:+:$PYTHONPATH}\nexec python3 "$@"\n' "$n" \
       > "/tmp/$n-python" && chmod +x "/tmp/$n-python"
   done
@@ -431,7 +431,7 @@ genjob|buildjob|wsjob|mxjob)  # run under gpu_lease: the recipe's prompt data an
     # MX_ENGINES. The pipeline's cache stays in /tmp/kcache, so RESTART=1 on the same machine re-serves
     # without retraining
     rep=perf-report/matrix; mkdir -p "$rep/profile"
-    matrix_profile "$rep/profile/h200-matrix.json" && python3 -m kimi_perf.profiles check "$rep/profile/h200-matrix.json" || exit
+    matrix_profile "$rep/profile/h200-matrix.json" || exit
     pyargs=()
     for n in $(matrix_engines); do pyargs+=("--perf-$n-python" "/tmp/$n-python"); done
     eval "extra=(${PYTEST_ARGS:-})"
